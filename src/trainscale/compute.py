@@ -1,0 +1,97 @@
+"""How much arithmetic a training run needs, and how long it takes (chapters 01, 11, 12).
+
+A dense model with ``N`` parameters spends about 2 FLOPs per parameter per
+token in the forward pass (one multiply, one add) and about 4 in the backward
+pass (the gradient with respect to the layer's input *and* with respect to its
+weights), so training costs ``6 * N * D`` FLOPs for ``D`` tokens
+(Kaplan et al., arXiv 2001.08361). Attention's own sequence-squared work is not
+in this count; chapter 11 measures how much it leaves out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trainscale import _checks
+
+FLOPS_PER_PARAM_PER_TOKEN = {"forward": 2, "backward": 4}
+"""FLOPs per parameter per token for each pass (multiply and add count as two)."""
+
+
+def training_flops(params: float, tokens: float) -> int:
+    """Total training FLOPs, ``6 * params * tokens``.
+
+    ``params`` is the parameter count ``N`` and ``tokens`` the number of
+    training tokens ``D``; both whole numbers ``>= 0``. The result is an exact
+    integer, so even ``1e12 * 1e13`` tokens loses no digits.
+    """
+    n = _checks.count("params", params)
+    d = _checks.count("tokens", tokens)
+    return sum(FLOPS_PER_PARAM_PER_TOKEN.values()) * n * d
+
+
+def training_seconds(
+    params: float, tokens: float, gpus: int, peak_flops: float, mfu: float
+) -> float:
+    """Wall-clock seconds to train: ``6ND / (gpus * peak_flops * mfu)``.
+
+    ``peak_flops`` is one GPU's peak throughput in FLOP/s for the precision used
+    (e.g. ``989e12`` for an H100's dense bf16); ``mfu`` is the share of that
+    peak the job really achieves, in ``(0, 1]``.
+    """
+    flops = training_flops(params, tokens)
+    n_gpus = _checks.count("gpus", gpus, minimum=1)
+    peak = _checks.positive("peak_flops", peak_flops)
+    utilisation = _checks.positive("mfu", mfu, maximum=1.0)
+    return flops / (n_gpus * peak * utilisation)
+
+
+def mfu(tokens_per_second: float, params: float, gpus: int, peak_flops: float) -> float:
+    """Model FLOPs utilisation: the share of the GPUs' peak spent on the model's maths.
+
+    ``tokens_per_second`` is the whole job's throughput (all GPUs together),
+    ``peak_flops`` one GPU's peak in FLOP/s. Only the ``6N`` FLOPs the model
+    needs per token count: recomputation from activation checkpointing does not,
+    which is what makes MFU comparable between runs.
+    """
+    throughput = _checks.positive("tokens_per_second", tokens_per_second)
+    n = _checks.count("params", params)
+    n_gpus = _checks.count("gpus", gpus, minimum=1)
+    peak = _checks.positive("peak_flops", peak_flops)
+    return sum(FLOPS_PER_PARAM_PER_TOKEN.values()) * n * throughput / (n_gpus * peak)
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One bar of a step timeline: ``name`` runs from ``start`` to ``end`` (seconds)."""
+
+    name: str
+    start: float
+    end: float
+
+
+def step_timeline(
+    forward: float, backward: float, all_reduce: float, optimizer: float, overlap: float
+) -> list[Phase]:
+    """The phases of one data-parallel training step on a single GPU, in seconds.
+
+    Forward runs first, then backward. The gradient all-reduce may start before
+    backward ends: ``overlap`` is the share of the all-reduce (``0`` to ``1``)
+    hidden under backward, because gradients of the last layers are ready first.
+    It cannot start before backward does. The optimiser step waits for both.
+    With one GPU there is nothing to reduce: pass ``all_reduce=0``.
+    """
+    for name, value in {"forward": forward, "backward": backward, "optimizer": optimizer}.items():
+        _checks.positive(name, value)
+    if all_reduce != 0:
+        _checks.positive("all_reduce", all_reduce)
+    hidden = _checks.fraction("overlap", overlap) * all_reduce
+    backward_end = forward + backward
+    comm_start = max(forward, backward_end - hidden)
+    comm_end = comm_start + all_reduce
+    optimizer_start = max(backward_end, comm_end)
+    phases = [Phase("forward", 0.0, forward), Phase("backward", forward, backward_end)]
+    if all_reduce:
+        phases.append(Phase("all-reduce", comm_start, comm_end))
+    phases.append(Phase("optimiser", optimizer_start, optimizer_start + optimizer))
+    return phases
