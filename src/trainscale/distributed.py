@@ -1,0 +1,239 @@
+"""Run a function on several real ``torch.distributed`` processes from a notebook.
+
+``run_ranks(worker, 4, ...)`` starts four processes, joins them into one process
+group and calls ``worker(rank, world_size, ...)`` in each; it returns what each
+rank returned, in rank order, and prints what each rank printed, in rank order.
+On a laptop the processes use the gloo backend on the CPU; on a machine with
+enough GPUs the same workers run with NCCL, one GPU per rank
+(:func:`backend_and_device` is the one place that decides).
+
+Safety, because this runs on the reader's machine:
+
+* everything listens on 127.0.0.1 only: the rendezvous store is created here,
+  in the parent, on a socket bound to the loopback address (a ``TCPStore``
+  given a host name still listens on every interface), and gloo is told to use
+  the loopback interface;
+* the port is picked by the operating system, so two runs never collide;
+* a rank that raises, exits or hangs ends the whole run within ``timeout``
+  seconds with an error naming the rank, and every process is reaped: none is
+  left behind, even if the parent dies (each rank watches its parent).
+
+Workers must live in an importable module: processes are started with
+``spawn`` (a fresh interpreter, since forking a process that already ran torch
+maths can hang), and ``spawn`` cannot send a function defined in a notebook.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import pickle
+import socket
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from trainscale import _checks
+
+LOOPBACK = "127.0.0.1"
+
+
+class RankError(RuntimeError):
+    """A rank failed: it raised, exited, or did not finish in time."""
+
+
+def backend_and_device(rank: int) -> tuple[str, torch.device]:
+    """The collective backend and device for ``rank``: NCCL on GPU ``rank`` if there
+    is one for every rank, gloo on the CPU otherwise."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if torch.cuda.is_available() and torch.cuda.device_count() >= world:
+        return "nccl", torch.device("cuda", rank)
+    return "gloo", torch.device("cpu")
+
+
+def device() -> torch.device:
+    """The device this rank computes on (call inside a worker)."""
+    return backend_and_device(dist.get_rank())[1]
+
+
+def _watch_parent(parent: int) -> None:
+    """End this rank if the process that started it is gone (no orphans)."""
+    while True:
+        if os.getppid() != parent:
+            os._exit(3)
+        time.sleep(0.5)
+
+
+def _redirect(fd: int, path: Path) -> None:
+    """Send file descriptor ``fd`` (1 or 2) to ``path``, C-level output included."""
+    target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(target, fd)
+    os.close(target)
+
+
+def _child(
+    rank: int, world_size: int, port: int, folder: str, parent: int, worker, args: tuple
+) -> None:
+    """Entry point of one rank (runs in a fresh interpreter)."""
+    out = Path(folder)
+    _redirect(1, out / f"{rank}.out")
+    _redirect(2, out / f"{rank}.err")
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    try:
+        torch.set_num_threads(1)
+        backend, dev = backend_and_device(rank)
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        store = dist.TCPStore(LOOPBACK, port, world_size, is_master=False)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+        result = worker(rank, world_size, *args)
+    except BaseException:
+        # Record the traceback before anything else: exiting closes this rank's
+        # connections, which makes its peers fail too, and the first traceback
+        # written is how the parent tells the cause from the knock-on failures.
+        (out / f"{rank}.traceback").write_text(traceback.format_exc())
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    dist.destroy_process_group()
+    (out / f"{rank}.result").write_bytes(pickle.dumps(result))
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
+def _loopback_store(world_size: int, timeout: float) -> tuple[dist.TCPStore, int]:
+    """A rendezvous store listening on 127.0.0.1 only, on a port the OS picked."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind((LOOPBACK, 0))
+    listener.listen(128)
+    port = listener.getsockname()[1]
+    store = dist.TCPStore(
+        LOOPBACK,
+        port,
+        world_size,
+        is_master=True,
+        timeout=datetime.timedelta(seconds=timeout),
+        wait_for_workers=False,
+        master_listen_fd=listener.detach(),
+        use_libuv=False,
+    )
+    return store, port
+
+
+def _report(folder: Path, world_size: int) -> None:
+    """Print each rank's output in rank order, each line tagged with its rank."""
+    for rank in range(world_size):
+        for stream in ("out", "err"):
+            text = (
+                (folder / f"{rank}.{stream}").read_text()
+                if (folder / f"{rank}.{stream}").exists()
+                else ""
+            )
+            tag = f"[rank {rank}]" if stream == "out" else f"[rank {rank} stderr]"
+            for line in text.splitlines():
+                print(f"{tag} {line}")
+
+
+def _stop(processes: list) -> None:
+    """Terminate, then kill, every process still alive, and reap them all."""
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    deadline = time.monotonic() + 5
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
+def run_ranks(
+    worker: Callable[..., Any], world_size: int = 4, *args: Any, timeout: float = 60.0
+) -> list[Any]:
+    """Run ``worker(rank, world_size, *args)`` on ``world_size`` processes; return each result.
+
+    ``worker`` must be a module-level function of an importable module, and its
+    result picklable. Raises :class:`RankError` naming the first rank that
+    failed (with its traceback) or, after ``timeout`` seconds, the ranks that had
+    not finished.
+    """
+    if getattr(worker, "__module__", "__main__") == "__main__" or "<locals>" in getattr(
+        worker, "__qualname__", ""
+    ):
+        raise ValueError("worker must be a module-level function of an importable module")
+    n = _checks.count("world_size", world_size, minimum=1)
+    limit = _checks.positive("timeout", timeout)
+    context = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="trainscale-ranks-") as tmp:
+        folder = Path(tmp)
+        store, port = _loopback_store(n, limit)
+        env = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "WORLD_SIZE": str(n)}
+        saved = {key: os.environ.get(key) for key in env}
+        os.environ.update(env)  # inherited by the spawned interpreters
+        processes = []
+        try:
+            for rank in range(n):
+                process = context.Process(
+                    target=_child,
+                    args=(rank, n, port, tmp, os.getpid(), worker, args),
+                    name=f"rank-{rank}",
+                    daemon=True,
+                )
+                process.start()
+                processes.append(process)
+            _wait(processes, folder, limit)
+        finally:
+            _stop(processes)
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+            del store
+        _report(folder, n)
+        return [pickle.loads((folder / f"{rank}.result").read_bytes()) for rank in range(n)]
+
+
+def _first_failure(processes: list, folder: Path) -> int:
+    """The rank whose failure came first: the others usually fail *because* of it,
+    when a collective loses its partner. A rank that exited without a Python
+    traceback was not failed by a collective; otherwise the earliest traceback wins."""
+    failed = [r for r, p in enumerate(processes) if p.exitcode not in (None, 0)]
+    silent = [r for r in failed if not (folder / f"{r}.traceback").exists()]
+    if silent:
+        return silent[0]
+    return min(failed, key=lambda r: (folder / f"{r}.traceback").stat().st_mtime_ns)
+
+
+def _wait(processes: list, folder: Path, timeout: float) -> None:
+    """Wait for every rank; raise as soon as one fails, or when time runs out."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if any(p.exitcode not in (None, 0) for p in processes):
+            time.sleep(0.3)  # let knock-on failures land, then find the first one
+            rank = _first_failure(processes, folder)
+            _stop(processes)
+            trace = folder / f"{rank}.traceback"
+            detail = trace.read_text() if trace.exists() else "(exited without a Python traceback)"
+            _report(folder, len(processes))
+            code = processes[rank].exitcode
+            raise RankError(f"rank {rank} failed (exit code {code}):\n{detail}")
+        if all(p.exitcode == 0 for p in processes):
+            return
+        if time.monotonic() > deadline:
+            waiting = [r for r, p in enumerate(processes) if p.exitcode is None]
+            _stop(processes)
+            _report(folder, len(processes))
+            raise RankError(f"ranks {waiting} did not finish within {timeout:g} s")
+        time.sleep(0.02)
