@@ -237,3 +237,23 @@ def _wait(processes: list, folder: Path, timeout: float) -> None:
             _report(folder, len(processes))
             raise RankError(f"ranks {waiting} did not finish within {timeout:g} s")
         time.sleep(0.02)
+
+
+def torchrun_main(worker: Callable[..., Any], *args: Any) -> Any:
+    """Run ``worker`` as one rank of a job started by ``torchrun``.
+
+    ``torchrun --nproc-per-node=8 -m trainscale.workers.some_module`` starts one
+    process per GPU and tells each its rank through environment variables
+    (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``); this joins the
+    process group from them, with the backend and device of
+    :func:`backend_and_device`, and calls ``worker(rank, world_size, *args)``.
+    """
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    backend, dev = backend_and_device(int(os.environ.get("LOCAL_RANK", rank)))
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    dist.init_process_group(backend)
+    try:
+        return worker(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,98 @@
+"""The house style every figure of the book shares, and how figures display.
+
+Colours come from the Okabe-Ito palette, which stays distinguishable for
+colour-blind readers and in greyscale print.
+"""
+
+from __future__ import annotations
+
+import io
+
+import matplotlib.pyplot as plt
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+
+PALETTE = {
+    "blue": "#0072B2",
+    "orange": "#E69F00",
+    "green": "#009E73",
+    "red": "#D55E00",
+    "purple": "#CC79A7",
+    "sky": "#56B4E9",
+    "yellow": "#F0E442",
+    "grey": "#999999",
+}
+"""Okabe-Ito colours by name."""
+
+PHASE_COLOURS = {
+    "forward": PALETTE["blue"],
+    "backward": PALETTE["orange"],
+    "all-reduce": PALETTE["green"],
+    "optimiser": PALETTE["purple"],
+}
+
+STYLE = {
+    "figure.figsize": (7.0, 3.2),
+    "figure.dpi": 100,
+    "figure.facecolor": "white",
+    "axes.facecolor": "white",
+    "axes.edgecolor": "#333333",
+    "axes.grid": True,
+    "axes.grid.axis": "x",
+    "grid.color": "#dddddd",
+    "axes.spines.top": False,
+    "axes.spines.right": False,
+    "axes.titlesize": 12,
+    "axes.titleweight": "bold",
+    "axes.labelsize": 11,
+    "font.size": 10,
+    "legend.frameon": False,
+}
+"""The house style: white background, light grid, no top or right frame."""
+
+
+SVG_SETTINGS = {"svg.fonttype": "none", "svg.hashsalt": "trainscale"}
+"""Text stays text (small, searchable) and element ids do not change between runs."""
+
+
+def svg_text(fig: Figure) -> str:
+    """``fig`` as an SVG document, byte-identical from run to run (no date, fixed ids)."""
+    buffer = io.StringIO()
+    with plt.rc_context(SVG_SETTINGS):
+        fig.savefig(buffer, format="svg", metadata={"Date": None})
+    return buffer.getvalue()
+
+
+class BookFigure(Figure):
+    """A matplotlib ``Figure`` that shows itself as SVG wherever a cell returns it.
+
+    It lives outside pyplot's registry, so it is displayed once (pyplot would
+    also show every figure it knows at the end of a cell) and needs no closing;
+    and it does not depend on which matplotlib backend the kernel runs.
+    """
+
+    def _repr_svg_(self) -> str:
+        return svg_text(self)
+
+    def measured(self):
+        """This figure as a PNG image, for figures of *measured* data.
+
+        A measured figure differs from run to run, and nbval compares SVG
+        outputs byte for byte but skips PNG; make ``fig.measured()`` the
+        cell's last expression instead of ``fig``.
+        """
+        from IPython.display import Image
+
+        buffer = io.BytesIO()
+        self.savefig(buffer, format="png", dpi=150)
+        return Image(buffer.getvalue(), width=int(self.get_size_inches()[0] * 96))
+
+    def __repr__(self) -> str:
+        width, height = self.get_size_inches()
+        return f"<BookFigure {width:g}x{height:g} in, {len(self.axes)} Axes>"
+
+
+def new_figure(figsize: tuple[float, float]) -> tuple[BookFigure, Axes]:
+    """A new figure and its axes; call inside ``plt.rc_context(STYLE)`` so the style applies."""
+    fig = BookFigure(figsize=figsize, layout="constrained")
+    return fig, fig.add_subplot()
