@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 
-.PHONY: book site serve lab test lint unit-and-notebooks site-check clean
+.PHONY: book site serve lab test lint unit-and-notebooks site-check browser chromium clean
 
 # Create the virtual environment and install the pinned requirements (once, or
 # again whenever requirements.txt or pyproject.toml change).
@@ -34,7 +34,7 @@ lab: $(STAMP)
 	$(BIN)/jupyter lab --ip=$(HOST) --notebook-dir=notebooks
 
 ## make test: everything that checks the book
-test: lint unit-and-notebooks site-check
+test: lint unit-and-notebooks site-check browser
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests notebooks
@@ -43,13 +43,24 @@ lint: $(STAMP)
 # Unit and property tests, the committed-notebook checks, and nbval strict:
 # every notebook cell re-run and its text output compared with what is stored.
 unit-and-notebooks: $(STAMP)
-	$(BIN)/python -m pytest tests notebooks --nbval --nbval-current-env \
+	$(BIN)/python -m pytest tests notebooks --ignore=tests/browser --nbval --nbval-current-env \
 		--nbval-sanitize-with tests/sanitize.cfg
 
 # The website from a clean _build, with every Sphinx warning an error.
 site-check: $(STAMP)
 	rm -rf _build
 	$(BIN)/jupyter-book build . -n -W --keep-going
+
+# The built site (and JupyterLab) in headless Chromium, as a reader would use them.
+browser: $(STAMP) chromium
+	$(BIN)/python -m pytest tests/browser
+
+# Debian's Chromium for the browser tests, installed if missing (needs root or sudo).
+chromium:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || { \
+		echo "Installing Debian's chromium for the browser tests"; \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium; }
 
 clean:
 	rm -rf _build

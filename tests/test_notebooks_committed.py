@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -71,3 +72,14 @@ def test_every_notebook_is_in_the_table_of_contents():
     toc = (ROOT / "_toc.yml").read_text()
     for path in NOTEBOOKS:
         assert f"notebooks/{path.stem}" in toc, f"{path.name} is missing from _toc.yml"
+
+
+def test_first_code_cell_installs_the_package_on_colab_only(notebook):
+    """Colab opens a notebook alone; its first cell installs the book's package there.
+
+    The repository address is the one in _config.yml, so it is set in one place.
+    """
+    config = yaml.safe_load((ROOT / "_config.yml").read_text())
+    first = "".join(_code_cells(notebook)[0]["source"])
+    assert 'if "google.colab" in sys.modules:' in first
+    assert f'repository = "{config["repository"]["url"]}"' in first

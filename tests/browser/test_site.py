@@ -1,0 +1,151 @@
+"""Open every page of the built site in a real browser, as a reader would.
+
+Each page must load with no failed request, no request to another site, and no
+console error of ours; its math must be typeset, its images must load, and every
+slider must change the figure it drives, with no kernel behind the page.
+"""
+
+from __future__ import annotations
+
+import gzip
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import ROOT, SITE
+
+# Console messages that are not ours and do no harm, each with where it comes from.
+KNOWN_NOISE = (
+    # pydata-sphinx-theme, on a first visit with no saved light/dark preference.
+    "Got invalid theme mode",
+    # sphinx-thebe's script is included twice by Jupyter Book's launch buttons.
+    "Identifier 'THEBE_JS_URL' has already been declared",
+    # The widget manager calls MathJax 2's MathJax.Hub.Queue; the site runs MathJax 3.
+    "MathJax.Hub",
+)
+SCREENSHOTS = ROOT / "screenshots"
+MAX_PAGE_BYTES = 4 * 2**20  # raw HTML of one page, widgets' precomputed figures included
+
+
+def _toc_pages() -> list[str]:
+    """Every page of the table of contents, as a path of the built site."""
+    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
+    files = [toc["root"]]
+    for part in toc.get("parts", []):
+        files += [chapter["file"] for chapter in part["chapters"]]
+    return [f"{name}.html" for name in files]
+
+
+PAGES = _toc_pages()
+
+
+@dataclass
+class Visit:
+    """What happened while a page loaded."""
+
+    failed: list[str] = field(default_factory=list)
+    external: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+
+def _open(browser, url: str, base: str):
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    visit = Visit()
+    page.on("requestfailed", lambda r: visit.failed.append(f"{r.url} ({r.failure})"))
+    page.on(
+        "response",
+        lambda r: visit.failed.append(f"{r.url} ({r.status})") if r.status >= 400 else None,
+    )
+    page.on(
+        "request",
+        lambda r: (
+            visit.external.append(r.url)
+            if not r.url.startswith((base, "data:", "blob:", "about:"))
+            else None
+        ),
+    )
+
+    def error(text: str) -> None:
+        if not any(noise in text for noise in KNOWN_NOISE):
+            visit.errors.append(text)
+
+    page.on("console", lambda m: error(f"{m.text} at {m.location}") if m.type == "error" else None)
+    page.on("pageerror", lambda e: error(str(e)))
+    page.goto(url, wait_until="networkidle")
+    return page, visit
+
+
+@pytest.mark.parametrize("path", PAGES)
+def test_page_loads_everything_from_this_site(browser, site_url, path):
+    page, visit = _open(browser, f"{site_url}/{path}", site_url)
+    try:
+        page.wait_for_timeout(500)  # let MathJax and the widget manager settle
+        assert visit.failed == [], "failed requests"
+        assert visit.external == [], "requests to other sites"
+        assert visit.errors == [], "console errors"
+        broken = page.evaluate(
+            "() => Array.from(document.images)"
+            ".filter(i => !(i.complete && i.naturalWidth > 0)).map(i => i.src)"
+        )
+        assert broken == [], "images that did not load"
+        math = page.locator("span.math, div.math").count()
+        typeset = page.locator("mjx-container").count()
+        assert typeset >= math, f"{math} formulas on the page, {typeset} typeset"
+        if path.startswith("notebooks/"):
+            SCREENSHOTS.mkdir(exist_ok=True)
+            page.screenshot(path=str(SCREENSHOTS / f"{Path(path).stem}.png"))
+    finally:
+        page.close()
+
+
+def _visible_figure(slider_box) -> str:
+    """The accessible label and drawing of the figure a widget shows right now."""
+    return slider_box.evaluate(
+        """box => {
+            const shown = Array.from(box.querySelectorAll('svg[role="img"]'))
+                .filter(svg => svg.getClientRects().length > 0);
+            return shown.map(s => s.getAttribute('aria-label') + s.innerHTML.length).join('|');
+        }"""
+    )
+
+
+@pytest.mark.parametrize("path", [p for p in PAGES if p.startswith("notebooks/")])
+def test_every_slider_changes_its_figure_without_a_kernel(browser, site_url, path):
+    page, _ = _open(browser, f"{site_url}/{path}", site_url)
+    try:
+        page.wait_for_selector('[role="slider"]', timeout=15_000)
+        boxes = page.locator(".widget-vbox:has(> .widget-slider)")
+        assert boxes.count() >= 1, "every chapter has at least one widget"
+        for b in range(boxes.count()):
+            box = boxes.nth(b)
+            handles = box.locator('[role="slider"]')
+            for h in range(handles.count()):
+                handle = handles.nth(h)
+                name = handle.get_attribute("aria-label")
+                assert name, "every slider has an accessible name"
+                before = _visible_figure(box)
+                assert before, f"widget {b} shows no figure"
+                handle.focus()
+                handle.press("End")
+                end = _visible_figure(box)
+                handle.press("Home")
+                home = _visible_figure(box)
+                assert end != home, f"slider '{name}' did not change the figure"
+                handle.press("ArrowRight")
+                assert _visible_figure(box) != home, f"arrow key on '{name}' changed nothing"
+    finally:
+        page.close()
+
+
+def test_page_weights_stay_light():
+    """Each page's weight, raw and gzipped, written to _build/page-weights.txt."""
+    lines = ["page                                          raw KiB   gzip KiB"]
+    for path in PAGES:
+        raw = (SITE / path).read_bytes()
+        packed = gzip.compress(raw, compresslevel=6)
+        lines.append(f"{path:44s} {len(raw) / 1024:8.0f} {len(packed) / 1024:9.0f}")
+        assert len(raw) < MAX_PAGE_BYTES, f"{path} weighs {len(raw):,} bytes"
+    report = "\n".join(lines)
+    (SITE.parent / "page-weights.txt").write_text(report + "\n")
+    print(report)
