@@ -66,12 +66,12 @@ def ring_all_reduce_trace(ranks: int) -> list[RingStep]:
     figure draws. ``2 * (ranks - 1)`` steps follow the start.
     """
     n = _checks.count("ranks", ranks, minimum=1)
-    held = [[frozenset({r}) for _ in range(n)] for r in range(n)]
+    held = [[frozenset([rank])] * n for rank in range(n)]
     trace = [RingStep("start", 0, [row[:] for row in held], [None] * n)]
     for phase in ("reduce-scatter", "all-gather"):
         for step in range(n - 1):
             sent = [_chunk_sent(phase, r, step, n) for r in range(n)]
-            incoming = [held[r][sent[r]] for r in range(n)]
+            incoming = [held[rank][sent[rank]] for rank in range(n)]
             for r in range(n):
                 k, receiver = sent[r], (r + 1) % n
                 if phase == "reduce-scatter":
@@ -93,6 +93,46 @@ def _chunk_sent(phase: str, rank: int, step: int, ranks: int) -> int:
     if phase == "reduce-scatter":
         return (rank - step) % ranks
     return (rank + 1 - step) % ranks
+
+
+@dataclass(frozen=True)
+class RingTransfer:
+    """What one rank does at one step of the ring all-reduce.
+
+    At step ``step`` (from 1) of ``phase`` (``"reduce-scatter"`` or
+    ``"all-gather"``) the rank sends its chunk ``send_chunk`` to rank
+    ``rank + 1`` and receives chunk ``recv_chunk`` from rank ``rank - 1``
+    (modulo the ring), which it adds to its own copy (reduce-scatter) or stores
+    in place of it (all-gather).
+    """
+
+    phase: str
+    step: int
+    send_chunk: int
+    recv_chunk: int
+
+
+def ring_schedule(rank: int, ranks: int) -> list[RingTransfer]:
+    """Every transfer ``rank`` makes in a ring all-reduce over ``ranks`` ranks, in order.
+
+    The same schedule as :func:`ring_all_reduce` (which chapter 04 runs on real
+    processes with ``send``/``recv``): ``2 * (ranks - 1)`` steps, after the
+    first ``ranks - 1`` of which the rank owns the complete sum of chunk
+    ``(rank + 1) % ranks``. What a rank receives is what its left neighbour
+    sends in the same step. One rank alone makes no transfer.
+    """
+    n = _checks.count("ranks", ranks, minimum=1)
+    r = _checks.count("rank", rank)
+    if r >= n:
+        raise ValueError(f"rank must be between 0 and ranks - 1 = {n - 1}, got {rank}")
+    left = (r - 1) % n
+    return [
+        RingTransfer(
+            phase, step + 1, _chunk_sent(phase, r, step, n), _chunk_sent(phase, left, step, n)
+        )
+        for phase in ("reduce-scatter", "all-gather")
+        for step in range(n - 1)
+    ]
 
 
 def _ring_phase(held: list[list[torch.Tensor]], phase: str) -> list[int]:

@@ -5,7 +5,8 @@ token in the forward pass (one multiply, one add) and about 4 in the backward
 pass (the gradient with respect to the layer's input *and* with respect to its
 weights), so training costs ``6 * N * D`` FLOPs for ``D`` tokens
 (Kaplan et al., arXiv 2001.08361). Attention's own sequence-squared work is not
-in this count; chapter 11 measures how much it leaves out.
+in this count; :func:`attention_training_flops` adds it, and chapter 11
+measures both against PyTorch's FLOP counter.
 """
 
 from __future__ import annotations
@@ -44,6 +45,61 @@ def training_seconds(
     peak = _checks.positive("peak_flops", peak_flops)
     utilisation = _checks.positive("mfu", mfu, maximum=1.0)
     return flops / (n_gpus * peak * utilisation)
+
+
+def attention_training_flops(layers: int, context: int, d_attn: int, tokens: float) -> int:
+    """FLOPs of attention's two token-by-token products over ``tokens`` training tokens.
+
+    Per layer, each token's query meets the ``context`` keys of its sequence
+    (``2 * context * d_attn`` FLOPs for the scores) and its attention weights
+    multiply the ``context`` values (as many again): ``4 * context * d_attn``
+    forward, and backward twice that, so ``12 * layers * context * d_attn`` per
+    token (the ``s / 6h`` term of Narayanan et al., arXiv 2104.04473, relative to
+    ``6N``). These products have no weights, so ``6N`` misses them. This counts
+    the whole ``context x context`` score matrix, as a plain implementation
+    computes it before masking; a causal kernel that skips the masked half
+    does about half the work.
+    """
+    n_layers = _checks.count("layers", layers)
+    n_ctx = _checks.count("context", context)
+    width = _checks.count("d_attn", d_attn)
+    d = _checks.count("tokens", tokens)
+    return 3 * 4 * n_layers * n_ctx * width * d
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What a training run costs: FLOPs, wall-clock seconds, GPU-hours and money."""
+
+    flops: int
+    seconds: float
+    gpu_hours: float
+    cost: float
+
+    @property
+    def days(self) -> float:
+        """Wall-clock days (86,400 s each)."""
+        return self.seconds / 86_400
+
+
+def training_budget(
+    params: float,
+    tokens: float,
+    gpus: int,
+    peak_flops: float,
+    mfu: float,
+    price_per_gpu_hour: float,
+) -> Budget:
+    """FLOPs, time, GPU-hours and cost of training ``params`` parameters on ``tokens``.
+
+    Time is :func:`training_seconds`; GPU-hours are that time multiplied by the
+    number of GPUs, because every GPU is busy (and billed) for all of it; cost is
+    GPU-hours times ``price_per_gpu_hour`` (an assumption: say which price).
+    """
+    seconds = training_seconds(params, tokens, gpus, peak_flops, mfu)
+    price = _checks.positive("price_per_gpu_hour", price_per_gpu_hour)
+    gpu_hours = seconds * int(gpus) / 3600
+    return Budget(training_flops(params, tokens), seconds, gpu_hours, gpu_hours * price)
 
 
 def mfu(tokens_per_second: float, params: float, gpus: int, peak_flops: float) -> float:

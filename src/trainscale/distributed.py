@@ -25,11 +25,13 @@ maths can hang), and ``spawn`` cannot send a function defined in a notebook.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing as mp
 import os
 import pickle
 import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -257,3 +259,77 @@ def torchrun_main(worker: Callable[..., Any], *args: Any) -> Any:
         return worker(rank, world_size, *args)
     finally:
         dist.destroy_process_group()
+
+
+def run_torchrun(
+    module: str, args: list[str], nproc: int = 2, max_restarts: int = 0, timeout: float = 300.0
+) -> str:
+    """Run ``torchrun -m module args`` on this machine and return everything it printed.
+
+    What a reader would type on one node, with ``nproc`` ranks, on 127.0.0.1:
+    ``torchrun --nproc-per-node=N --max-restarts=R -m module ...``. With
+    ``max_restarts`` > 0 torchrun restarts every rank when one dies (gloo needs
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` for that, set here). Raises
+    :class:`RankError` with the output if the job fails or outlasts ``timeout``
+    seconds; no process is left behind either way (torchrun starts its workers
+    in sessions of their own, so they are tracked by pid and killed if needed).
+    """
+    import psutil  # a dependency of Jupyter, so always there with the book
+
+    n = _checks.count("nproc", nproc, minimum=1)
+    restarts = _checks.count("max_restarts", max_restarts)
+    limit = _checks.positive("timeout", timeout)
+    with socket.socket() as probe:
+        probe.bind((LOOPBACK, 0))
+        port = probe.getsockname()[1]
+    command = [
+        sys.executable,
+        *("-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={n}"),
+        *("--rdzv-backend=c10d", f"--rdzv-endpoint={LOOPBACK}:{port}"),
+        *(f"--max-restarts={restarts}", "--monitor-interval=0.2", "-m", module, *args),
+    ]
+    env = {
+        **os.environ,
+        "GLOO_SOCKET_IFNAME": "lo",
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        "OMP_NUM_THREADS": "1",
+    }
+    started = time.monotonic()
+    seen: dict[int, psutil.Process] = {}
+    with tempfile.TemporaryFile("w+") as log:
+        launcher = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        agent = psutil.Process(launcher.pid)
+        timed_out = False
+        try:
+            while launcher.poll() is None:
+                if time.monotonic() - started > limit:
+                    timed_out = True
+                    break
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    seen.update((p.pid, p) for p in agent.children(recursive=True))
+                time.sleep(0.2)
+        finally:
+            if launcher.poll() is None:  # timed out, or interrupted
+                _kill([agent])
+            # Workers normally end with the launcher; any that outlived it are killed.
+            _, left = psutil.wait_procs(list(seen.values()), timeout=5)
+            _kill(left)
+            launcher.wait()
+        log.seek(0)
+        output = log.read()
+    if timed_out:
+        raise RankError(f"torchrun -m {module} did not finish within {limit:g} s:\n{output}")
+    if launcher.returncode != 0:
+        raise RankError(f"torchrun -m {module} failed (exit code {launcher.returncode}):\n{output}")
+    return output
+
+
+def _kill(processes: list) -> None:
+    """Kill each of these ``psutil`` processes that still exists."""
+    import psutil
+
+    for process in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()

@@ -67,12 +67,12 @@ def model_state_bytes(params: float, gpus: int = 1, zero_stage: int = 0) -> int:
     return sum(model_state_parts(params, gpus, zero_stage).values())
 
 
-def model_state_gib(params: float, gpus: int = 1, zero_stage: int = 0) -> float:
+def model_state_gib(params: int | float, gpus: int = 1, zero_stage: int = 0) -> float:
     """Model state on one GPU in GiB (2**30 bytes)."""
     return model_state_bytes(params, gpus, zero_stage) / GIB
 
 
-def mlp_stack(width: int = 256, blocks: int = 8, seed: int = 0) -> nn.Sequential:
+def mlp_stack(width: int = 256, blocks: int = 8, seed: int = 0) -> torch.nn.Sequential:
     """The book's reference model: ``blocks`` MLP blocks of ``width`` features.
 
     Each block is ``Linear(width, 4*width) -> GELU -> Linear(4*width, width) -> GELU``
@@ -84,12 +84,11 @@ def mlp_stack(width: int = 256, blocks: int = 8, seed: int = 0) -> nn.Sequential
     seed = _checks.count("seed", seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return nn.Sequential(
-            *(
-                nn.Sequential(nn.Linear(w, 4 * w), nn.GELU(), nn.Linear(4 * w, w), nn.GELU())
-                for _ in range(n_blocks)
-            )
-        )
+        layers = [
+            nn.Sequential(nn.Linear(w, 4 * w), nn.GELU(), nn.Linear(4 * w, w), nn.GELU())
+            for _ in range(n_blocks)
+        ]
+    return nn.Sequential(*layers)
 
 
 def run_checkpointed(model: nn.Sequential, x: torch.Tensor, segment: int = 1) -> torch.Tensor:
@@ -123,12 +122,15 @@ def _record_saved(exclude: set[int], seen: dict[int, int]) -> Iterator[None]:
             seen[storage.data_ptr()] = storage.nbytes()
         return tensor
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    def unpack(saved: torch.Tensor) -> torch.Tensor:
+        return saved  # nothing was changed when packing, so nothing to undo
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         yield
 
 
 def saved_activation_bytes(
-    model: nn.Module, x: torch.Tensor, checkpointed: bool = False, segment: int = 1
+    model: torch.nn.Module, x: torch.Tensor, checkpointed: bool = False, segment: int = 1
 ) -> int:
     """Bytes autograd keeps from one forward pass of ``model`` on ``x``.
 
@@ -138,7 +140,7 @@ def saved_activation_bytes(
     ``checkpointed=True`` the model (an ``nn.Sequential``) runs through
     :func:`run_checkpointed` in segments of ``segment`` blocks.
     """
-    exclude = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    exclude = {weight.untyped_storage().data_ptr() for weight in model.parameters()}
     seen: dict[int, int] = {}
     with _record_saved(exclude, seen):
         if checkpointed:

@@ -8,12 +8,14 @@ with ``torch.autograd.grad``: the model's ``.grad`` fields are left alone.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from trainscale import _checks
+from trainscale.collectives import ring_bytes_per_rank
 from trainscale.memory import run_checkpointed
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -100,9 +102,7 @@ def checkpointed_gradient(
     return _gradient(model, loss_fn, x, y, lambda m, inp: run_checkpointed(m, inp, segment))
 
 
-def tensor_parallel_mlp(
-    x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, shards: int
-) -> torch.Tensor:
+def tensor_parallel_mlp(x: Tensor, w1: Tensor, w2: Tensor, shards: int) -> Tensor:
     """Megatron's MLP ``gelu(x @ w1) @ w2`` split over ``shards`` devices.
 
     ``w1`` (``d x h``) is split by columns and ``w2`` (``h x d``) by the
@@ -112,20 +112,17 @@ def tensor_parallel_mlp(
     summed, which is the one all-reduce of the forward pass.
     """
     n = _checks.count("shards", shards, minimum=1)
-    if x.shape[-1] != w1.shape[0] or w1.shape[1] != w2.shape[0]:
-        raise ValueError(
-            f"shapes do not chain: x {tuple(x.shape)}, w1 {tuple(w1.shape)}, w2 {tuple(w2.shape)}"
-        )
+    _check_chain(x, w1, w2)
     column_blocks = torch.tensor_split(w1, n, dim=1)
     row_blocks = torch.tensor_split(w2, n, dim=0)
     partials = [
         nn.functional.gelu(x @ a) @ b for a, b in zip(column_blocks, row_blocks, strict=True)
     ]
-    return torch.stack(partials).sum(dim=0)
+    return sum(partials[1:], start=partials[0])  # the all-reduce: a sum over devices
 
 
 def pipeline_bubble(stages: int, micro_batches: int) -> float:
-    """Idle share of a GPipe schedule: ``(K - 1) / (M + K - 1)``.
+    """Share of a GPipe pass each stage spends waiting: ``(K - 1) / (M + K - 1)``.
 
     With ``K`` stages and ``M`` micro-batches the pipeline needs ``M + K - 1``
     time slots per pass; each stage is busy in ``M`` of them.
@@ -133,3 +130,163 @@ def pipeline_bubble(stages: int, micro_batches: int) -> float:
     k = _checks.count("stages", stages, minimum=1)
     m = _checks.count("micro_batches", micro_batches, minimum=1)
     return (k - 1) / (m + k - 1)
+
+
+def _check_chain(x: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> None:
+    """Raise unless ``x @ first @ second`` is a valid chain of products."""
+    if x.shape[-1] != first.shape[0] or first.shape[1] != second.shape[0]:
+        raise ValueError(
+            f"shapes do not chain: x {tuple(x.shape)}, w1 {tuple(first.shape)},"
+            f" w2 {tuple(second.shape)}"
+        )
+
+
+def first_matrix_by_rows_mlp(
+    x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, shards: int, sync_before_gelu: bool
+) -> torch.Tensor:
+    """The MLP ``gelu(x @ up) @ down`` with its first matrix split the other way: by rows.
+
+    Device ``i`` holds rows ``i`` of ``up`` (``d x h``) and the matching columns of
+    ``x``, so ``x[:, rows_i] @ up[rows_i, :]`` is only a *partial sum* of the hidden
+    layer. With ``sync_before_gelu=True`` the partial sums are added up first (an
+    all-reduce of the whole hidden layer, ``4x`` wider than the output, in every
+    forward pass) and the result is right. With ``False`` each device applies GELU
+    to its own partial sum and the results are added afterwards: wrong, because
+    GELU is not linear, ``gelu(a + b) != gelu(a) + gelu(b)``. ``down`` (``h x d``)
+    is used whole.
+    """
+    n = _checks.count("shards", shards, minimum=1)
+    _check_chain(x, up, down)
+    if not isinstance(sync_before_gelu, bool):
+        raise ValueError(f"sync_before_gelu must be True or False, got {sync_before_gelu!r}")
+    x_blocks = torch.tensor_split(x, n, dim=-1)
+    row_blocks = torch.tensor_split(up, n, dim=0)
+    partial_sums = [xb @ wb for xb, wb in zip(x_blocks, row_blocks, strict=True)]
+    if sync_before_gelu:
+        return nn.functional.gelu(torch.stack(partial_sums).sum(dim=0)) @ down
+    return torch.stack([nn.functional.gelu(p) for p in partial_sums]).sum(dim=0) @ down
+
+
+def tensor_parallel_shapes(tokens: int, hidden: int, ffn: int, shards: int) -> list[dict]:
+    """What each of ``shards`` devices holds and computes in Megatron's split MLP.
+
+    ``tokens`` rows of ``hidden`` features go through ``hidden -> ffn -> hidden``.
+    Device ``i`` holds a ``hidden x ffn_i`` column block of the first matrix and
+    the ``ffn_i x hidden`` row block of the second (``ffn_i`` is ``ffn / shards``,
+    or one more or less when it does not divide), computes a ``tokens x ffn_i``
+    slice of the hidden layer and a ``tokens x hidden`` partial output.
+    """
+    t = _checks.count("tokens", tokens, minimum=1)
+    d = _checks.count("hidden", hidden, minimum=1)
+    h = _checks.count("ffn", ffn, minimum=1)
+    n = _checks.count("shards", shards, minimum=1)
+    if n > h:
+        raise ValueError(f"shards must be between 1 and ffn = {h}, got {shards}")
+    widths = [h // n + (i < h % n) for i in range(n)]
+    return [
+        {
+            "input": (t, d),
+            "first matrix": (d, w),
+            "hidden slice": (t, w),
+            "second matrix": (w, d),
+            "partial output": (t, d),
+        }
+        for w in widths
+    ]
+
+
+def tensor_parallel_traffic(
+    tokens: int, hidden: int, shards: int, bytes_per_value: int = 2
+) -> dict[str, float]:
+    """Bytes one device sends per transformer layer for one micro-batch, by all-reduce.
+
+    Attention and the MLP each end with one all-reduce of the ``tokens x hidden``
+    activations in forward, and each needs one of the same size for the input
+    gradient in backward: four per layer. A ring all-reduce sends ``2(N-1)/N``
+    of the tensor from each device (chapter 4). ``bytes_per_value`` is 2 for bf16.
+    """
+    t = _checks.count("tokens", tokens, minimum=1)
+    d = _checks.count("hidden", hidden, minimum=1)
+    n = _checks.count("shards", shards, minimum=1)
+    size = _checks.count("bytes_per_value", bytes_per_value, minimum=1)
+    one = ring_bytes_per_rank(t * d * size, n)
+    return {
+        f"{block}, {phase}": one
+        for phase in ("forward", "backward")
+        for block in ("attention", "MLP")
+    }
+
+
+def _check_attention(x, wq, wk, wv, wo, heads) -> int:
+    n_heads = _checks.count("heads", heads, minimum=1)
+    d = x.shape[-1]
+    if x.dim() < 2 or d % n_heads:
+        raise ValueError(
+            f"x must be (..., sequence, features) with features divisible by heads = {n_heads},"
+            f" got {tuple(x.shape)}"
+        )
+    for name, w in (("wq", wq), ("wk", wk), ("wv", wv), ("wo", wo)):
+        if tuple(w.shape) != (d, d):
+            raise ValueError(f"{name} must be {d} x {d}, got {tuple(w.shape)}")
+    return n_heads
+
+
+def _attend(x, wq, wk, wv, wo, heads: int) -> torch.Tensor:
+    """Multi-head attention on the columns of ``wq``, ``wk``, ``wv`` and rows of ``wo``."""
+    size = wq.shape[1] // heads
+
+    def by_head(
+        t: torch.Tensor,
+    ) -> torch.Tensor:  # (..., seq, heads*size) -> (..., heads, seq, size)
+        return t.unflatten(-1, (heads, size)).transpose(-2, -3)
+
+    q, k, v = by_head(x @ wq), by_head(x @ wk), by_head(x @ wv)
+    weights = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(size), dim=-1)
+    return (weights @ v).transpose(-2, -3).flatten(-2) @ wo
+
+
+def multi_head_attention(
+    x: torch.Tensor,
+    wq: torch.Tensor,
+    wk: torch.Tensor,
+    wv: torch.Tensor,
+    wo: torch.Tensor,
+    heads: int,
+) -> torch.Tensor:
+    """Plain multi-head self-attention on one device (no mask, no bias).
+
+    ``x`` is ``(..., sequence, features)``; the projections are ``features x
+    features`` and used as ``x @ wq``. Head ``j`` uses columns ``j`` of ``wq``,
+    ``wk`` and ``wv`` (``features / heads`` of them) and the matching rows of ``wo``.
+    """
+    return _attend(x, wq, wk, wv, wo, _check_attention(x, wq, wk, wv, wo, heads))
+
+
+def attention_by_heads(
+    x: torch.Tensor,
+    wq: torch.Tensor,
+    wk: torch.Tensor,
+    wv: torch.Tensor,
+    wo: torch.Tensor,
+    heads: int,
+    shards: int,
+) -> torch.Tensor:
+    """:func:`multi_head_attention` split over ``shards`` devices, by heads.
+
+    Each device takes a group of whole heads: the matching columns of ``wq``,
+    ``wk`` and ``wv`` (a column split, like the MLP's first matrix) and rows of
+    ``wo`` (a row split, like its second). Heads never look at each other, so each
+    device computes its heads alone; the partial outputs are summed, the one
+    all-reduce of the forward pass. Groups may differ by one head when ``heads``
+    is not divisible by ``shards``.
+    """
+    n_heads = _check_attention(x, wq, wk, wv, wo, heads)
+    n = _checks.count("shards", shards, minimum=1)
+    if n > n_heads:
+        raise ValueError(f"shards must be between 1 and heads = {n_heads}, got {shards}")
+    size = x.shape[-1] // n_heads
+    outputs = []
+    for group in torch.tensor_split(torch.arange(n_heads), n):
+        cols = slice(int(group[0]) * size, (int(group[-1]) + 1) * size)
+        outputs.append(_attend(x, wq[:, cols], wk[:, cols], wv[:, cols], wo[cols, :], len(group)))
+    return torch.stack(outputs).sum(dim=0)  # the all-reduce

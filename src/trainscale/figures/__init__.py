@@ -7,18 +7,75 @@ shows is what a cell printed. One module per chapter idea; the house style is
 in :mod:`trainscale.figures.style`.
 """
 
+from trainscale.figures.checkpointing import layer_bytes, memory_timelines
+from trainscale.figures.collectives import (
+    bandwidth_against_size,
+    four_collectives,
+    ring_stages,
+    ring_step,
+)
+from trainscale.figures.compute import attention_share, budget_table, flop_breakdown
+from trainscale.figures.data_parallel import batch_split
+from trainscale.figures.efficiency import (
+    loader_timeline,
+    matmul_throughput,
+    mfu_against_batch,
+    step_breakdown,
+    step_durations,
+)
 from trainscale.figures.memory import activations_against_batch, memory_stack
+from trainscale.figures.pipeline import bubble_curves, pipeline_timelines
+from trainscale.figures.planner import planner_rejections, planner_top_layouts
+from trainscale.figures.precision import (
+    accumulation,
+    format_ranges,
+    gradient_histogram,
+    loss_scale_trace,
+)
+from trainscale.figures.schedule import decay_bars, lr_schedule, training_curves
+from trainscale.figures.sharding import fsdp_timeline, zero_stage_bars
 from trainscale.figures.step import flop_bars, step_timeline
 from trainscale.figures.style import PALETTE, STYLE, BookFigure, new_figure, svg_text
+from trainscale.figures.tensor_parallel import tensor_parallel_mlp_diagram, time_bars
 
 __all__ = [
     "PALETTE",
     "STYLE",
     "BookFigure",
+    "accumulation",
     "activations_against_batch",
+    "attention_share",
+    "bandwidth_against_size",
+    "batch_split",
+    "bubble_curves",
+    "budget_table",
+    "decay_bars",
     "flop_bars",
+    "flop_breakdown",
+    "format_ranges",
+    "four_collectives",
+    "fsdp_timeline",
+    "gradient_histogram",
+    "layer_bytes",
+    "loader_timeline",
+    "loss_scale_trace",
+    "lr_schedule",
+    "matmul_throughput",
     "memory_stack",
+    "memory_timelines",
+    "mfu_against_batch",
     "new_figure",
+    "pipeline_timelines",
+    "planner_rejections",
+    "planner_top_layouts",
+    "ring_stages",
+    "ring_step",
+    "step_breakdown",
+    "step_durations",
     "step_timeline",
     "svg_text",
+    "tensor_parallel_mlp_diagram",
+    "time_bars",
+    "training_curves",
+    "zero_stage_bars",
 ]

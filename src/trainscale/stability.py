@@ -1,0 +1,292 @@
+"""Small real training runs that go wrong, and the safeguards that keep them right (chapter 10).
+
+A tiny GPT (:mod:`trainscale.transformer`) learns a synthetic language: text
+drawn from a random Markov chain over a small vocabulary, whose best possible
+loss is known exactly (:func:`best_possible_loss`), so "trained" has a number
+attached.
+:func:`train` runs it with the book's schedule (:func:`trainscale.schedule.learning_rate`),
+with or without warmup and gradient clipping, and returns the loss, the
+gradient norm and the learning rate of every step. Runs are deterministic: the
+data, the weights and the order of every operation come from seeds, and the
+run uses one CPU thread.
+
+:func:`decay_comparison` shows, with PyTorch's own optimisers, why Adam with
+an L2 penalty is not Adam with weight decay (Loshchilov and Hutter,
+arXiv 1711.05101).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from trainscale import _checks
+from trainscale.schedule import learning_rate
+from trainscale.transformer import GPTConfig, gpt
+
+CONFIG = GPTConfig(vocab=32, context=32, d_model=32, layers=2, heads=2)
+"""The model of chapter 10's runs: 2 layers of width 32, a vocabulary of 32 tokens."""
+
+OPTIMIZERS = ("sgd", "adamw")
+
+
+def transition_matrix(vocab: int = 32, seed: int = 0, sharpness: float = 3.0) -> torch.Tensor:
+    """A random Markov chain over ``vocab`` tokens: row ``i`` is P(next token | token ``i``).
+
+    Each row is the softmax of ``sharpness`` times standard normal draws, so a
+    few likely successors take most of a row's probability: the language has
+    structure to learn but is not deterministic. float64, rows sum to 1.
+    """
+    v = _checks.count("vocab", vocab, minimum=2)
+    scale = _checks.positive("sharpness", sharpness)
+    generator = torch.Generator().manual_seed(_checks.count("seed", seed))
+    logits = torch.randn(v, v, generator=generator, dtype=torch.float64)
+    return torch.softmax(scale * logits, dim=1)
+
+
+def _check_chain(transitions: torch.Tensor) -> int:
+    if not isinstance(transitions, torch.Tensor) or transitions.dim() != 2:
+        raise ValueError("transitions must be a square 2-D torch.Tensor of probabilities")
+    v = transitions.shape[0]
+    rows_sum_to_one = torch.allclose(
+        transitions.sum(dim=1).double(), torch.ones(v, dtype=torch.float64)
+    )
+    if transitions.shape != (v, v) or bool((transitions < 0).any()) or not rows_sum_to_one:
+        raise ValueError("transitions must be square, non-negative, with rows summing to 1")
+    return v
+
+
+def best_possible_loss(transitions: torch.Tensor, seq: int) -> float:
+    """The lowest mean loss (nats per token) any model can reach on
+    :func:`sample_batches` text of ``seq`` predicted tokens per sequence.
+
+    Predicting token ``t + 1`` from token ``t``, no model can beat the entropy
+    of row ``t`` of the chain, ``-sum_j P[t, j] log P[t, j]``. Token ``t`` is
+    distributed as ``u P^t`` (``u`` uniform: sequences start anywhere), so the
+    best loss is the mean over positions ``t = 0 .. seq - 1`` of ``u P^t``
+    times those entropies: a model that has learnt the chain exactly reaches it.
+    """
+    _check_chain(transitions)
+    length = _checks.count("seq", seq, minimum=1)
+    p = transitions.double()
+    plogp = torch.where(p > 0, p * p.log(), torch.zeros_like(p))
+    row_entropy = -plogp.sum(dim=1)
+    distribution = torch.full((p.shape[0],), 1.0 / p.shape[0], dtype=torch.float64)
+    total = 0.0
+    for _ in range(length):
+        total += float(distribution @ row_entropy)
+        distribution = distribution @ p
+    return total / length
+
+
+def sample_batches(
+    transitions: torch.Tensor, steps: int, batch: int, seq: int, seed: int = 0
+) -> torch.Tensor:
+    """``steps`` batches of ``batch`` sequences of ``seq + 1`` tokens drawn from the chain.
+
+    Shape ``(steps, batch, seq + 1)``: a model reads tokens ``[:-1]`` and
+    predicts ``[1:]``. The first token of each sequence is uniform.
+    """
+    v = _check_chain(transitions)
+    n_steps = _checks.count("steps", steps, minimum=1)
+    n_batch = _checks.count("batch", batch, minimum=1)
+    length = _checks.count("seq", seq, minimum=1)
+    generator = torch.Generator().manual_seed(_checks.count("seed", seed))
+    # Inverse-CDF sampling: the next token is the first whose cumulative
+    # probability exceeds a uniform draw (clamped against rounding at the end).
+    cumulative = transitions.double().cumsum(dim=1)
+    draws = torch.rand(length, n_steps * n_batch, 1, generator=generator, dtype=torch.float64)
+    tokens = torch.empty(n_steps * n_batch, length + 1, dtype=torch.long)
+    tokens[:, 0] = torch.randint(v, (n_steps * n_batch,), generator=generator)
+    for t in range(length):
+        following = torch.searchsorted(cumulative[tokens[:, t]], draws[t], right=True)
+        tokens[:, t + 1] = following.squeeze(1).clamp_(max=v - 1)
+    return tokens.view(n_steps, n_batch, length + 1)
+
+
+@dataclass(frozen=True)
+class Run:
+    """What a training run logged, one entry per step taken.
+
+    ``grad_norms`` are global gradient norms *before* clipping (what a run
+    should log); ``lrs`` the learning rate each step used. A run stops at the
+    first step whose loss is not finite (that loss is kept), so a diverged run
+    is shorter than the ``steps`` it asked for.
+    """
+
+    losses: tuple[float, ...]
+    grad_norms: tuple[float, ...]
+    lrs: tuple[float, ...]
+    steps: int
+
+    @property
+    def diverged(self) -> bool:
+        """True if the loss became inf or NaN."""
+        return not math.isfinite(self.losses[-1])
+
+    def final_loss(self, last: int = 20) -> float:
+        """Mean loss of the ``last`` steps (inf if the run diverged)."""
+        n = _checks.count("last", last, minimum=1)
+        if self.diverged:
+            return math.inf
+        return statistics.fmean(self.losses[-n:])
+
+
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    """Run torch on one thread (same operation order every time), then restore."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def train(
+    peak: float,
+    warmup: int = 0,
+    clip: float | None = None,
+    *,
+    steps: int = 150,
+    optimizer: str = "sgd",
+    batch: int = 16,
+    config: GPTConfig = CONFIG,
+    seed: int = 0,
+) -> Run:
+    """Train a fresh tiny GPT on the Markov language for ``steps`` steps.
+
+    The learning rate follows ``learning_rate(step, peak, warmup, steps)``:
+    linear warmup over ``warmup`` steps (0: none), then cosine decay to a tenth
+    of the peak. ``clip`` is the largest global gradient norm allowed
+    (``torch.nn.utils.clip_grad_norm_``); ``None`` clips nothing.
+    ``optimizer`` is ``"sgd"`` (momentum 0.9) or ``"adamw"`` (betas 0.9, 0.95,
+    no weight decay). ``seed`` fixes the weights, the chain and the data;
+    every batch is fresh text (``batch`` sequences of ``config.context`` tokens).
+    """
+    lr_peak = _checks.positive("peak", peak)
+    n_steps = _checks.count("steps", steps, minimum=1)
+    w = _checks.count("warmup", warmup)
+    if w >= n_steps:
+        raise ValueError(f"warmup must be in [0, steps) = [0, {n_steps}), got {warmup!r}")
+    max_norm = math.inf if clip is None else _checks.positive("clip", clip)
+    kind = _checks.choice("optimizer", optimizer, OPTIMIZERS)
+    if not isinstance(config, GPTConfig):
+        raise ValueError(f"config must be a GPTConfig, got {type(config).__name__}")
+    seed = _checks.count("seed", seed)
+    chain = transition_matrix(config.vocab, seed)
+    data = sample_batches(chain, n_steps, batch, config.context, seed + 1)
+    losses, norms, lrs = [], [], []
+    with _one_thread():
+        model = gpt(config, seed)
+        params = list(model.parameters())
+        if kind == "sgd":
+            opt = torch.optim.SGD(params, lr=lr_peak, momentum=0.9)
+        else:
+            opt = torch.optim.AdamW(params, lr=lr_peak, betas=(0.9, 0.95), weight_decay=0.0)
+        for step, tokens in enumerate(data):
+            lr = learning_rate(step, lr_peak, w, n_steps)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            loss = model.loss(tokens[:, :-1], tokens[:, 1:])
+            opt.zero_grad()
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+            losses.append(loss.item())
+            norms.append(norm.item())
+            lrs.append(lr)
+            if not math.isfinite(losses[-1]):
+                break
+            opt.step()
+    return Run(tuple(losses), tuple(norms), tuple(lrs), n_steps)
+
+
+def first_rise(values: Sequence[float], factor: float = 2.0, window: int = 10) -> int | None:
+    """The first index whose value exceeds ``factor`` times the median of the
+    ``window`` values before it (a non-finite value always does); ``None`` if
+    none does. The alarm a run monitor would raise on a logged curve."""
+    f = _checks.positive("factor", factor)
+    n = _checks.count("window", window, minimum=1)
+    for i in range(n, len(values)):
+        if not math.isfinite(values[i]) or values[i] > f * statistics.median(values[i - n : i]):
+            return i
+    return None
+
+
+def linear_scaling_gap(lr: float, k: int = 8, batch: int = 32, seed: int = 0) -> float:
+    """How far ``k`` SGD steps on batches of ``batch`` at ``lr`` land from one
+    step on all ``k * batch`` examples at ``k * lr`` (the linear scaling rule).
+
+    The model is least-squares linear regression on 16 random features (float64,
+    seeded). Both start from the same weights; the result is the distance
+    between the two endpoints divided by the distance the large step moved.
+    The ``k`` small steps each see the gradient at a point the previous steps
+    already moved, so the gap grows with ``lr`` (it is second order in it): the
+    rule holds while the gradient changes little over ``k`` steps.
+    """
+    rate = _checks.positive("lr", lr)
+    n_steps = _checks.count("k", k, minimum=1)
+    n = _checks.count("batch", batch, minimum=1)
+    generator = torch.Generator().manual_seed(_checks.count("seed", seed))
+    features = torch.randn(n_steps, n, 16, generator=generator, dtype=torch.float64)
+    targets = features @ torch.randn(16, generator=generator, dtype=torch.float64)
+    start = torch.zeros(16, dtype=torch.float64)
+
+    def gradient(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Gradient of the mean of (x w - y)^2 / 2 over the rows of x."""
+        return x.T @ (x @ w - y) / len(y)
+
+    small = start.clone()
+    for x, y in zip(features, targets, strict=True):
+        small = small - rate * gradient(small, x, y)
+    large = start - n_steps * rate * gradient(start, features.flatten(0, 1), targets.flatten())
+    return float((small - large).norm() / (large - start).norm())
+
+
+def decay_comparison(
+    scales: Sequence[float] = (1.0, 1e-3),
+    *,
+    lr: float = 1e-3,
+    weight_decay: float = 0.1,
+    steps: int = 1000,
+    seed: int = 0,
+) -> dict[str, list[float]]:
+    """How much a penalty shrinks weights whose gradients differ in size, under
+    Adam with an L2 penalty and under AdamW (decoupled weight decay).
+
+    Weight ``i`` starts at 1 and receives ``scales[i] * noise[t]`` as its
+    gradient at step ``t``: the same zero-mean noise for every weight, only
+    scaled, so without any penalty Adam (which divides by the gradient's size)
+    moves them all identically. Each optimiser is run with the penalty and
+    without it on the same gradients; the result is, per weight, the final
+    weight divided by the final weight without the penalty. 1 means the
+    penalty did nothing. ``torch.optim.Adam(weight_decay=...)`` adds
+    ``weight_decay * w`` to the gradient (L2); ``torch.optim.AdamW`` shrinks
+    ``w`` by ``lr * weight_decay * w`` outside Adam's normalisation.
+    """
+    if len(scales) == 0:
+        raise ValueError("scales must hold at least one gradient scale, got none")
+    sizes = torch.tensor([_checks.positive("scales", s) for s in scales], dtype=torch.float64)
+    rate = _checks.positive("lr", lr)
+    decay = _checks.positive("weight_decay", weight_decay)
+    n_steps = _checks.count("steps", steps, minimum=1)
+    generator = torch.Generator().manual_seed(_checks.count("seed", seed))
+    noise = torch.randn(n_steps, generator=generator, dtype=torch.float64)
+
+    def final(kind: type[torch.optim.Optimizer], penalty: float) -> torch.Tensor:
+        w = torch.ones(len(sizes), dtype=torch.float64, requires_grad=True)
+        opt = kind([w], lr=rate, weight_decay=penalty)
+        for g in noise:
+            w.grad = sizes * g
+            opt.step()
+        return w.detach()
+
+    return {
+        name: (final(kind, decay) / final(kind, 0.0)).tolist()
+        for name, kind in (("Adam + L2", torch.optim.Adam), ("AdamW", torch.optim.AdamW))
+    }

@@ -1,0 +1,374 @@
+"""Data parallelism on real processes (chapter 03).
+
+:func:`worker` runs every check of the chapter on one rank of a
+``torch.distributed`` job: PyTorch's ``DistributedDataParallel`` (DDP) on a
+slice of the batch, gradient accumulation with ``no_sync``, the cases that break
+the equivalence with one device (batch norm, unequal slices), the memory each
+rank holds, and the order in which DDP's gradient buckets are all-reduced. It
+returns plain results; the chapter compares them with the one-process answers
+of :mod:`trainscale.parallel`.
+
+Annotations are evaluated (no ``from __future__ import annotations``): DDP
+checks a communication hook's annotations against ``dist.GradBucket``.
+
+The same file runs on a GPU node, one process per GPU, with NCCL::
+
+    torchrun --nproc-per-node=8 -m trainscale.workers.data_parallel
+"""
+
+import contextlib
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from trainscale import _checks
+from trainscale.distributed import device, torchrun_main
+from trainscale.memory import mlp_stack
+
+FEATURES, HIDDEN, OUTPUTS = 8, 32, 4
+"""Shape of :func:`regression_model`: 8 inputs, two hidden layers of 32, 4 outputs."""
+
+NORMS = (None, "local", "global")
+"""Batch-norm variants of :func:`regression_model`."""
+
+loss_fn = nn.functional.mse_loss
+"""The loss of every check: the mean squared error over the batch."""
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """A differentiable all-reduce: forward sums ``tensor`` over the ranks, and so does
+    backward for the incoming gradient (every rank's loss depends on every rank's input)."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor) -> torch.Tensor:
+        total = tensor.clone()
+        dist.all_reduce(total)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        total = grad.clone()
+        dist.all_reduce(total)
+        return total
+
+
+class GlobalBatchNorm(nn.BatchNorm1d):
+    """Batch norm whose statistics cover the whole global batch, every rank's slice.
+
+    In training mode it all-reduces the per-feature sums, sums of squares and
+    the example count, so every rank normalises with the statistics of the full
+    batch. The all-reduce is differentiable: its backward all-reduces the
+    incoming gradient, so the gradient is the full-batch one too.
+    ``nn.SyncBatchNorm`` does the same on GPUs (it refuses CPU tensors). Running
+    statistics are not tracked. Outside a process group, or in eval mode, it is
+    a plain ``BatchNorm1d``.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not (self.training and dist.is_initialized()):
+            return super().forward(x)
+        count = x.new_tensor([float(x.shape[0])])
+        totals = _AllReduceSum.apply(torch.cat([x.sum(0), (x * x).sum(0), count]))
+        features = x.shape[1]
+        n = totals[-1]
+        mean = totals[:features] / n
+        var = totals[features : 2 * features] / n - mean * mean  # biased, as batch norm uses
+        return (x - mean) * torch.rsqrt(var + self.eps) * self.weight + self.bias
+
+
+def regression_model(seed: int = 0, norm: str | None = None) -> nn.Sequential:
+    """The chapter's small model, ``8 -> 32 -> 32 -> 4`` features with GELU between layers.
+
+    Small and shallow on purpose: its largest gradients are between about 0.01
+    and 0.1 in every layer, so relative differences between two ways of
+    computing them mean something. ``norm="local"`` puts an ``nn.BatchNorm1d``
+    after the first layer, ``norm="global"`` a :class:`GlobalBatchNorm` (same
+    parameter names); then the first layer has no bias. The weights come from
+    ``seed`` without touching the global random state.
+    """
+    seed = _checks.count("seed", seed)
+    _checks.choice("norm", norm, NORMS)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        # A bias before batch norm is useless (normalising removes it; its gradient is
+        # zero up to rounding), so the first layer has one only without batch norm.
+        layers: list[nn.Module] = [nn.Linear(FEATURES, HIDDEN, bias=norm is None)]
+        if norm == "local":
+            layers.append(nn.BatchNorm1d(HIDDEN))
+        elif norm == "global":
+            layers.append(GlobalBatchNorm(HIDDEN, track_running_stats=False))
+        layers += [nn.GELU(), nn.Linear(HIDDEN, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, OUTPUTS)]
+        return nn.Sequential(*layers)
+
+
+def regression_data(batch: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of ``batch`` random inputs and targets for :func:`regression_model`."""
+    size = _checks.count("batch", batch, minimum=1)
+    g = torch.Generator().manual_seed(_checks.count("seed", seed))
+    return torch.randn(size, FEATURES, generator=g), torch.randn(size, OUTPUTS, generator=g)
+
+
+def slice_sizes(batch: int, replicas: int) -> list[int]:
+    """How many examples each replica gets when ``batch`` is cut into ``replicas`` slices.
+
+    As ``torch.tensor_split`` cuts: the first ``batch % replicas`` slices get one
+    example more. Every replica needs at least one example.
+    """
+    n = _checks.count("replicas", replicas, minimum=1)
+    b = _checks.count("batch", batch, minimum=n)
+    return [b // n + (r < b % n) for r in range(n)]
+
+
+def rank_slice(batch: int, rank: int, replicas: int) -> slice:
+    """The examples of ``rank``: its contiguous slice of a batch of ``batch``."""
+    sizes = slice_sizes(batch, replicas)
+    r = _checks.count("rank", rank)
+    if r >= len(sizes):
+        raise ValueError(f"rank must be between 0 and replicas - 1 = {len(sizes) - 1}, got {rank}")
+    start = sum(sizes[:r])
+    return slice(start, start + sizes[r])
+
+
+def largest_relative_difference(
+    got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]
+) -> float:
+    """``max`` over parameters of ``|got - expected| / |expected|`` (Euclidean norms).
+
+    One number for "how far is this gradient from the reference", fair to
+    layers whose gradients are small. A parameter whose expected gradient is
+    zero contributes ``|got|`` instead. Both dicts must name the same parameters.
+    """
+    if got.keys() != expected.keys():
+        raise ValueError(
+            f"got and expected must name the same parameters, got {sorted(got)} "
+            f"and {sorted(expected)}"
+        )
+    worst = 0.0
+    for name, reference in expected.items():
+        error = torch.linalg.vector_norm((got[name] - reference).double()).item()
+        scale = torch.linalg.vector_norm(reference.double()).item()
+        worst = max(worst, error / scale if scale > 0 else error)
+    return worst
+
+
+def _gradients(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's ``.grad``, as CPU copies keyed by the unwrapped model's names."""
+    inner = model.module if isinstance(model, DDP) else model
+    return {name: p.grad.detach().cpu().clone() for name, p in inner.named_parameters()}
+
+
+def ddp_gradient(
+    model: nn.Module, batch: int, rank: int, world_size: int, weighted: bool = False, **ddp_options
+) -> dict[str, torch.Tensor]:
+    """Wrap ``model`` in DDP, run one forward and backward on this rank's slice of
+    a batch of ``batch``; return the gradients DDP leaves in ``.grad``."""
+    dev = device()
+    ddp = DDP(model.to(dev), **ddp_options)
+    x, y = regression_data(batch)
+    part = rank_slice(batch, rank, world_size)
+    loss = loss_fn(ddp(x[part].to(dev)), y[part].to(dev))
+    if weighted:
+        # DDP averages over ranks; scaling by (slice / batch) * ranks turns that
+        # plain mean into the mean weighted by each slice's share of the batch.
+        loss = loss * (part.stop - part.start) * world_size / batch
+    loss.backward()
+    return _gradients(ddp)
+
+
+def _synchronise(dev: torch.device) -> None:
+    """Wait for the GPU's queued work, so a timer reads when it really ended."""
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _first_weights(model: nn.Module) -> list[float]:
+    """The first three weights of the first layer: enough to tell two models apart."""
+    return [round(v, 6) for v in model[0].weight.detach().flatten()[:3].cpu().tolist()]
+
+
+def check_broadcast_at_construction(rank: int, world_size: int) -> dict[str, list[float]]:
+    """Each rank builds its model from its own seed; DDP's constructor overwrites it
+    with rank 0's weights (a broadcast)."""
+    model = regression_model(seed=rank).to(device())
+    before = _first_weights(model)
+    DDP(model)
+    return {"before": before, "after": _first_weights(model)}
+
+
+def check_training(
+    rank: int, world_size: int, batch: int = 32, steps: int = 3, lr: float = 0.1
+) -> dict[str, torch.Tensor]:
+    """``steps`` SGD steps with DDP, a new batch each step; the weights at the end."""
+    dev = device()
+    ddp = DDP(regression_model().to(dev))
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=lr)
+    part = rank_slice(batch, rank, world_size)
+    for step in range(steps):
+        x, y = regression_data(batch, seed=step)
+        loss_fn(ddp(x[part].to(dev)), y[part].to(dev)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {name: p.detach().cpu().clone() for name, p in ddp.module.named_parameters()}
+
+
+def _counting_hook(state: dict, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP's default averaging all-reduce, counted."""
+    state["all_reduces"] += 1
+    return default_hooks.allreduce_hook(None, bucket)  # type: ignore[arg-type]
+
+
+def check_accumulation(
+    rank: int, world_size: int, batch: int = 32, micro_batches: int = 4, skip_sync: bool = True
+) -> dict[str, object]:
+    """Gradient accumulation under DDP: ``micro_batches`` backward passes per rank.
+
+    Each micro-batch's loss is divided by ``micro_batches``. With
+    ``skip_sync=True`` all but the last backward run inside ``no_sync()``, so
+    DDP all-reduces once; otherwise after every micro-batch. The accumulated
+    gradient is the same either way; the number of all-reduces is not.
+    """
+    dev = device()
+    ddp = DDP(regression_model().to(dev))
+    counter = {"all_reduces": 0}
+    ddp.register_comm_hook(counter, _counting_hook)
+    x, y = regression_data(batch)
+    part = rank_slice(batch, rank, world_size)
+    pieces = list(
+        zip(
+            torch.tensor_split(x[part], micro_batches),
+            torch.tensor_split(y[part], micro_batches),
+            strict=True,
+        )
+    )
+    for index, (xs, ys) in enumerate(pieces):
+        sync = not skip_sync or index == len(pieces) - 1
+        with contextlib.nullcontext() if sync else ddp.no_sync():
+            (loss_fn(ddp(xs.to(dev)), ys.to(dev)) / micro_batches).backward()
+    return {"gradient": _gradients(ddp), "all_reduces": counter["all_reduces"]}
+
+
+def check_memory(rank: int, world_size: int) -> dict[str, object]:
+    """DDP on the reference model (``memory.mlp_stack``) after one AdamW step:
+    the parameters and the bytes of each part of the model state this rank holds."""
+    dev = device()
+    model = mlp_stack().to(dev)
+    ddp = DDP(model)
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(rank)).to(dev)
+    ddp(x).pow(2).mean().backward()
+    optimizer.step()
+    states = [optimizer.state[p] for p in model.parameters()]
+    return {
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "bytes": {
+            "weights": sum(p.nbytes for p in model.parameters()),
+            "gradients": sum(p.grad.nbytes for p in model.parameters()),
+            "Adam momentum": sum(s["exp_avg"].nbytes for s in states),
+            "Adam variance": sum(s["exp_avg_sq"].nbytes for s in states),
+        },
+    }
+
+
+def check_buckets(
+    rank: int, world_size: int, iterations: int = 2, bucket_cap_mb: float = 4
+) -> list[dict[str, object]]:
+    """When DDP launches each gradient bucket's all-reduce during backward.
+
+    DDP on the reference model (``memory.mlp_stack``, 16.8 MB of fp32 weights) with
+    buckets of ``bucket_cap_mb`` MiB, so that this small model fills several
+    (the default, 25 MiB, would not). For each of ``iterations`` backward passes,
+    returns the buckets in the order their all-reduces were launched (bucket
+    index, the model's blocks whose gradients it holds, ms after backward
+    started) and when backward returned (ms).
+    """
+    dev = device()
+    model = mlp_stack().to(dev)
+    names = {p: name for name, p in model.named_parameters()}
+    ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
+    log: dict = {"launched": [], "start": 0.0}
+
+    def recording_hook(state: dict, bucket: dist.GradBucket):
+        blocks = sorted({int(names[p].split(".")[0]) for p in bucket.parameters()})
+        elapsed = (time.perf_counter() - state["start"]) * 1e3
+        state["launched"].append((bucket.index(), blocks, elapsed))
+        return default_hooks.allreduce_hook(None, bucket)  # type: ignore[arg-type]
+
+    ddp.register_comm_hook(log, recording_hook)
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(rank)).to(dev)
+    passes = []
+    for _ in range(iterations):
+        loss = ddp(x).pow(2).mean()
+        log["launched"] = []
+        log["start"] = time.perf_counter()
+        loss.backward()
+        _synchronise(dev)
+        backward_ms = (time.perf_counter() - log["start"]) * 1e3
+        passes.append({"buckets": log["launched"], "backward_ms": backward_ms})
+        ddp.zero_grad()
+    return passes
+
+
+def worker(rank: int, world_size: int, batch: int = 32, unequal_batch: int = 10) -> dict:
+    """Every check of chapter 03 on this rank; a dict of plain results.
+
+    ``batch`` must be divisible by ``world_size`` for the equal-slice checks
+    (and split into 4 micro-batches per rank); ``unequal_batch`` should not be,
+    so the plain mean of the ranks' gradients goes wrong.
+    """
+    results: dict[str, object] = {
+        "broadcast": check_broadcast_at_construction(rank, world_size),
+        "ddp": ddp_gradient(regression_model(), batch, rank, world_size),
+        "trained": check_training(rank, world_size, batch),
+        "accumulated": check_accumulation(rank, world_size, batch, skip_sync=True),
+        "accumulated, syncing every time": check_accumulation(
+            rank, world_size, batch, skip_sync=False
+        ),
+        "unequal, plain": ddp_gradient(regression_model(), unequal_batch, rank, world_size),
+        "unequal, weighted": ddp_gradient(
+            regression_model(), unequal_batch, rank, world_size, weighted=True
+        ),
+        "batch norm, local": ddp_gradient(regression_model(norm="local"), batch, rank, world_size),
+        "batch norm, global": ddp_gradient(
+            regression_model(norm="global"), batch, rank, world_size
+        ),
+    }
+    results["memory"] = check_memory(rank, world_size)
+    results["buckets"] = check_buckets(rank, world_size)
+    return results
+
+
+def main(rank: int, world_size: int) -> None:
+    """``torchrun`` entry: run :func:`worker`, compare with one process, rank 0 reports."""
+    from trainscale.parallel import full_batch_gradient
+
+    batch = 4 * world_size  # equal slices for any number of ranks
+    got = worker(rank, world_size, batch=batch, unequal_batch=4 * world_size + 1)
+    if rank != 0:
+        return
+    x, y = regression_data(batch)
+    u, v = regression_data(4 * world_size + 1)
+    references = {
+        "ddp": full_batch_gradient(regression_model(), loss_fn, x, y),
+        "accumulated": full_batch_gradient(regression_model(), loss_fn, x, y),
+        "unequal, plain": full_batch_gradient(regression_model(), loss_fn, u, v),
+        "unequal, weighted": full_batch_gradient(regression_model(), loss_fn, u, v),
+        "batch norm, local": full_batch_gradient(regression_model(norm="local"), loss_fn, x, y),
+        # One process on the whole batch: plain batch norm is the global one (and
+        # GlobalBatchNorm would wait for the other ranks here, so it is not used).
+        "batch norm, global": full_batch_gradient(regression_model(norm="local"), loss_fn, x, y),
+    }
+    print(f"{world_size} ranks, batch {batch}: gradient vs one process on the whole batch")
+    for key, reference in references.items():
+        result = got[key]["gradient"] if key == "accumulated" else got[key]
+        error = largest_relative_difference(result, reference)
+        print(f"  {key:20s} largest relative difference {error:.1e}")
+    memory = got["memory"]
+    print(f"  every rank holds all {memory['parameters']:,} parameters of the reference model")
+
+
+if __name__ == "__main__":
+    torchrun_main(main)

@@ -1,0 +1,275 @@
+"""Pipeline parallelism on real processes (chapter 07).
+
+Rank ``s`` of ``K`` holds stage ``s``: two consecutive blocks of the book's
+reference model (:func:`trainscale.memory.mlp_stack`, ``2K`` blocks). PyTorch's
+``torch.distributed.pipelining`` moves activations forward and gradients
+backward between the ranks with point-to-point sends, under the GPipe or the
+1F1B schedule.
+
+The blocks compute in microseconds, and on a small CPU machine four processes
+computing at once would slow each other down, which would hide the pipeline's
+own idle time behind contention. So each stage ends with a
+:class:`SimulatedCompute` layer that passes its input through unchanged but
+takes a fixed time, ``forward_s`` in forward and ``backward_s`` in backward,
+by sleeping (a sleeping process leaves the CPU to the others). It also records
+when each of its passes ran: that record is the stage's timeline.
+
+Start it on a GPU node with ``torchrun --nproc-per-node=4 -m trainscale.workers.pipeline``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trainscale import _checks
+from trainscale.distributed import device, torchrun_main
+from trainscale.memory import mlp_stack
+from trainscale.parallel import pipeline_bubble
+from trainscale.pipeline import BACKWARD, FORWARD, Op, Timeline, non_negative
+
+WIDTH = 32
+"""Features of the reference model used here (small: the real work is simulated)."""
+BLOCKS_PER_STAGE = 2
+EXAMPLES_PER_MICRO_BATCH = 2
+
+
+class _Sleep(torch.autograd.Function):
+    """Identity that takes a fixed time in forward and in backward, and logs both."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, layer: SimulatedCompute) -> torch.Tensor:
+        ctx.layer = layer
+        layer._run(FORWARD, layer.forward_s)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        ctx.layer._run(BACKWARD, ctx.layer.backward_s)
+        return grad, None
+
+
+class SimulatedCompute(nn.Module):
+    """A layer that returns its input unchanged after ``forward_s`` seconds, and
+    passes the gradient back after ``backward_s`` seconds.
+
+    ``events`` lists ``(kind, start, end)`` for every pass, in
+    ``time.perf_counter()`` seconds; :meth:`clear` empties it.
+    """
+
+    def __init__(self, forward_s: float = 0.0, backward_s: float = 0.0) -> None:
+        super().__init__()
+        self.forward_s = non_negative("forward_s", forward_s)
+        self.backward_s = non_negative("backward_s", backward_s)
+        self.events: list[tuple[str, float, float]] = []
+
+    def _run(self, kind: str, seconds: float) -> None:
+        start = time.perf_counter()
+        if seconds:
+            time.sleep(seconds)
+        self.events.append((kind, start, time.perf_counter()))
+
+    def clear(self) -> None:
+        self.events.clear()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Sleep.apply(x, self)
+
+    def extra_repr(self) -> str:
+        return f"forward_s={self.forward_s:g}, backward_s={self.backward_s:g}"
+
+
+def reference_model(stages: int, seed: int = 0) -> nn.Sequential:
+    """The whole model on one process: ``2 * stages`` blocks of width :data:`WIDTH`."""
+    k = _checks.count("stages", stages, minimum=1)
+    return mlp_stack(width=WIDTH, blocks=BLOCKS_PER_STAGE * k, seed=seed)
+
+
+def stage_module(
+    model: nn.Sequential, stage: int, stages: int, forward_s: float, backward_s: float
+) -> nn.Sequential:
+    """Stage ``stage`` of ``model``: its blocks, then the simulated compute time."""
+    k = _checks.count("stages", stages, minimum=1)
+    s = _checks.count("stage", stage)
+    if s >= k:
+        raise ValueError(f"stage must be between 0 and {k - 1}, got {stage}")
+    if len(model) != BLOCKS_PER_STAGE * k:
+        raise ValueError(f"model must have {BLOCKS_PER_STAGE * k} blocks, got {len(model)}")
+    blocks = list(model)[BLOCKS_PER_STAGE * s : BLOCKS_PER_STAGE * (s + 1)]
+    return nn.Sequential(*blocks, SimulatedCompute(forward_s, backward_s))
+
+
+def batch(micro_batches: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and targets for one step: :data:`EXAMPLES_PER_MICRO_BATCH` per micro-batch."""
+    m = _checks.count("micro_batches", micro_batches, minimum=1)
+    g = torch.Generator().manual_seed(_checks.count("seed", seed))
+    size = (m * EXAMPLES_PER_MICRO_BATCH, WIDTH)
+    return torch.randn(size, generator=g), torch.randn(size, generator=g)
+
+
+def reference(model: nn.Module, micro_batches: int, seed: int = 0) -> dict:
+    """The single-process answer: full-batch loss and gradients (named ``block.layer.param``).
+
+    It runs on one thread: a model this small gains nothing from more, and on a
+    busy machine every operation would wait for the second thread to be scheduled.
+    """
+    x, y = batch(micro_batches, seed)
+    named = list(model.named_parameters())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        loss = nn.functional.mse_loss(model(x), y)
+        grads = torch.autograd.grad(loss, [p for _, p in named])
+    finally:
+        torch.set_num_threads(threads)
+    return {"loss": loss.item(), "grads": {n: g for (n, _), g in zip(named, grads, strict=True)}}
+
+
+def _schedule(name: str):
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+    return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name]
+
+
+def worker(
+    rank: int,
+    world_size: int,
+    schedules: Sequence[str] = ("gpipe", "1f1b"),
+    micro_batch_counts: Sequence[int] = (4, 12),
+    forward_s: float = 0.02,
+    backward_s: float = 0.04,
+    repeats: int = 2,
+    seed: int = 0,
+) -> list[dict]:
+    """Time ``repeats`` training steps per (schedule, micro-batch count) on stage ``rank``.
+
+    Each configuration runs a warm-up step first (it opens the connections
+    between neighbours), then the timed steps. Returns one dict per
+    configuration: ``schedule``, ``micro_batches``, ``seed``, ``steps`` (for each timed
+    step, this stage's passes as ``(kind, micro_batch, start, end)`` in seconds
+    from a common start after a barrier), ``losses`` (each micro-batch's loss,
+    on the last stage only) and ``grads`` (this stage's gradients, named as in
+    :func:`reference`). No optimiser step runs, so every step computes the same.
+    """
+    from torch.distributed.pipelining import PipelineStage
+
+    for name in schedules:
+        _checks.choice("schedules", name, ("gpipe", "1f1b"))
+    counts = [_checks.count("micro_batch_counts", m, minimum=1) for m in micro_batch_counts]
+    timed = _checks.count("repeats", repeats, minimum=1)
+    dev = device()
+    model = reference_model(world_size, seed)
+    module = stage_module(model, rank, world_size, forward_s, backward_s).to(dev)
+    clock = module[-1]
+    offset = BLOCKS_PER_STAGE * rank
+    results = []
+    for name in schedules:
+        for micro_batches in counts:
+            x, y = (t.to(dev) for t in batch(micro_batches, seed))
+            stage = PipelineStage(module, rank, world_size, dev)
+            schedule = _schedule(name)(
+                stage, n_microbatches=micro_batches, loss_fn=nn.functional.mse_loss
+            )
+            steps = []
+            for step in range(1 + timed):  # the first step is the warm-up
+                module.zero_grad(set_to_none=True)
+                clock.clear()
+                losses: list[torch.Tensor] = []
+                inputs = (x,) if rank == 0 else ()  # the first stage reads the batch
+                last = {"target": y, "losses": losses} if rank == world_size - 1 else {}
+                dist.barrier()
+                t0 = time.perf_counter()
+                schedule.step(*inputs, **last)
+                if step:
+                    steps.append(_numbered(clock.events, t0))
+            grads = {
+                f"{offset + int(n.split('.')[0])}.{n.split('.', 1)[1]}": p.grad.detach().cpu()
+                for n, p in module.named_parameters()
+            }
+            results.append(
+                {
+                    "schedule": name,
+                    "micro_batches": micro_batches,
+                    "seed": seed,
+                    "steps": steps,
+                    "losses": [value.detach().item() for value in losses],
+                    "grads": grads,
+                }
+            )
+    dist.barrier()
+    return results
+
+
+def _numbered(events: list[tuple[str, float, float]], t0: float) -> list[tuple]:
+    """``(kind, micro_batch, start, end)`` for each pass, times counted from ``t0``.
+
+    Both schedules run the forwards, and the backwards, in micro-batch order, so
+    the n-th forward (or backward) of a stage is micro-batch n.
+    """
+    seen = {FORWARD: 0, BACKWARD: 0}
+    ops = []
+    for kind, start, end in events:
+        ops.append((kind, seen[kind], start - t0, end - t0))
+        seen[kind] += 1
+    return ops
+
+
+def timelines(per_rank: Sequence[dict]) -> list[Timeline]:
+    """The measured :class:`~trainscale.pipeline.Timeline` of each timed step of one
+    configuration, from each rank's result dict for it (in rank order)."""
+    if not per_rank:
+        raise ValueError("per_rank must hold one result per rank, got none")
+    first = per_rank[0]
+    return [
+        Timeline(
+            first["schedule"],
+            len(per_rank),
+            first["micro_batches"],
+            tuple(tuple(Op(*op) for op in result["steps"][step]) for result in per_rank),
+        )
+        for step in range(len(first["steps"]))
+    ]
+
+
+def timeline(per_rank: Sequence[dict]) -> Timeline:
+    """The least disturbed timed step of one configuration: the one with the smallest
+    bubble. Other programs on the machine delay some steps more than others; the
+    pipeline's own idle time is in every step."""
+    return min(timelines(per_rank), key=lambda t: t.bubble)
+
+
+def main(rank: int, world_size: int, *args) -> list[dict]:
+    """``torchrun`` entry: run :func:`worker` (same arguments); rank 0 reports.
+
+    Rank 0 gathers every stage's passes and prints, per schedule and number of
+    micro-batches, the measured bubble next to the formula's, and whether the
+    loss equals the single-process loss. Returns this rank's own results.
+    """
+    results = worker(rank, world_size, *args)
+    everyone: list = [None] * world_size
+    dist.all_gather_object(
+        everyone, [{k: v for k, v in r.items() if k != "grads"} for r in results]
+    )
+    if rank == 0:
+        for index, result in enumerate(results):
+            model = reference_model(world_size, result["seed"])
+            measured = timeline([ranks[index] for ranks in everyone])
+            losses = everyone[-1][index]["losses"]
+            expected = reference(model, result["micro_batches"], result["seed"])["loss"]
+            same = math.isclose(sum(losses) / len(losses), expected, rel_tol=1e-5)
+            formula = pipeline_bubble(world_size, result["micro_batches"])
+            print(
+                f"{result['schedule']:5s} {result['micro_batches']:>3} micro-batches:"
+                f" loss equals one process {same}, bubble formula {formula:.3f},"
+                f" bubble {measured.bubble:.3f} (measured)"
+            )
+    return results
+
+
+if __name__ == "__main__":
+    torchrun_main(main)

@@ -1,0 +1,217 @@
+"""Tensor parallelism on real processes (chapter 06).
+
+:func:`worker` splits one MLP and one multi-head attention block over the ranks
+of a ``torch.distributed`` job in two ways and returns what each computed, for
+the chapter to compare with the unsplit layer in one process:
+
+* with PyTorch's DTensor API: ``parallelize_module`` with ``ColwiseParallel``
+  for the first matrix (and for the query, key and value projections) and
+  ``RowwiseParallel`` for the second (and for the output projection); the
+  collectives it runs are counted with ``CommDebugMode``;
+* by hand, with plain tensors: each rank keeps its slices of the weights,
+  computes its partial output, and calls ``dist.all_reduce`` once in forward (on
+  the output) and once in backward (on the input gradient).
+
+The same file runs on a GPU node, one process per GPU, with NCCL::
+
+    torchrun --nproc-per-node=8 -m trainscale.workers.tensor_parallel
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+from trainscale import _checks
+from trainscale.distributed import device, torchrun_main
+
+
+class MLP(nn.Module):
+    """The transformer's MLP: ``up`` (hidden -> ffn), GELU, ``down`` (ffn -> hidden)."""
+
+    def __init__(self, hidden: int, ffn: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(hidden, ffn)
+        self.down = nn.Linear(ffn, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(nn.functional.gelu(self.up(x)))
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention with separate ``q``, ``k``, ``v`` and ``o`` projections.
+
+    The number of heads is read from the projections' output width
+    (``view(..., -1, head_size)``), not stored: under tensor parallelism each
+    rank's ``q`` produces only its own heads, and the same code runs on them.
+    """
+
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        if hidden % heads:
+            raise ValueError(f"hidden must be divisible by heads = {heads}, got {hidden}")
+        self.head_size = hidden // heads
+        self.q, self.k, self.v, self.o = (nn.Linear(hidden, hidden, bias=False) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+
+        def by_head(t: torch.Tensor) -> torch.Tensor:
+            return t.view(batch, seq, -1, self.head_size).transpose(1, 2)
+
+        q, k, v = by_head(self.q(x)), by_head(self.k(x)), by_head(self.v(x))
+        out = nn.functional.scaled_dot_product_attention(q, k, v)
+        return self.o(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+def layers(hidden: int = 16, ffn: int = 64, heads: int = 8, seed: int = 0) -> tuple[MLP, Attention]:
+    """The chapter's MLP and attention block, with weights drawn from ``seed``
+    (the global random state is left alone)."""
+    d = _checks.count("hidden", hidden, minimum=1)
+    h = _checks.count("ffn", ffn, minimum=1)
+    n_heads = _checks.count("heads", heads, minimum=1)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(_checks.count("seed", seed))
+        return MLP(d, h), Attention(d, n_heads)
+
+
+def layer_input(batch: int = 2, seq: int = 5, hidden: int = 16, seed: int = 0) -> torch.Tensor:
+    """The activations entering the layer: ``batch`` sequences of ``seq`` tokens."""
+    g = torch.Generator().manual_seed(_checks.count("seed", seed) + 1)
+    return torch.randn(
+        _checks.count("batch", batch, minimum=1),
+        _checks.count("seq", seq, minimum=1),
+        _checks.count("hidden", hidden, minimum=1),
+        generator=g,
+    )
+
+
+def _counts(mode: CommDebugMode) -> dict[str, int]:
+    """``{"all_reduce": 1}`` from CommDebugMode's ``{OpOverloadPacket: count}``."""
+    return {str(op).split(".")[-1]: n for op, n in mode.get_comm_counts().items()}
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor from a DTensor output (an ``AsyncCollectiveTensor`` waits here)."""
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().clone()
+
+
+def _dtensor_mlp(mlp: MLP, mesh, x: torch.Tensor) -> dict:
+    """The MLP under ``ColwiseParallel`` / ``RowwiseParallel``: output, gradients, traffic."""
+    parallelize_module(mlp, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    x = x.clone().requires_grad_(True)  # as if it came from the layer below
+    with CommDebugMode() as forward:
+        out = mlp(x)
+    with CommDebugMode() as backward:
+        out.sum().backward()
+    return {
+        "output": _plain(out),
+        "input gradient": _plain(x.grad),
+        "weight gradients": {n: _plain(p.grad) for n, p in mlp.named_parameters()},
+        "local shapes": {n: tuple(p.to_local().shape) for n, p in mlp.named_parameters()},
+        "forward collectives": _counts(forward),
+        "backward collectives": _counts(backward),
+    }
+
+
+def _by_hand_mlp(mlp: MLP, rank: int, world_size: int, x: torch.Tensor) -> dict:
+    """The same split with plain tensors: one ``dist.all_reduce`` each way."""
+    up = torch.tensor_split(torch.arange(mlp.up.out_features), world_size)[rank]
+    w1 = mlp.up.weight[up].detach().clone().requires_grad_(True)  # my rows of W1 = my columns
+    b1 = mlp.up.bias[up].detach().clone().requires_grad_(True)  # of the x @ W1.T product
+    w2 = mlp.down.weight[:, up].detach().clone().requires_grad_(True)  # matching part of W2
+    x = x.clone().requires_grad_(True)
+
+    partial = nn.functional.linear(nn.functional.gelu(nn.functional.linear(x, w1, b1)), w2)
+    out = partial.detach().clone()
+    dist.all_reduce(out)  # forward: sum the partial outputs
+    out += mlp.down.bias.detach()  # the second bias is added once, after the sum
+
+    partial.backward(torch.ones_like(out))  # d(out.sum())/d(out), known on every rank
+    input_gradient = x.grad.clone()
+    dist.all_reduce(input_gradient)  # backward: sum the partial input gradients
+    return {
+        "output": out.cpu(),
+        "input gradient": input_gradient.cpu(),
+        "my weight gradient": w1.grad.cpu(),  # no communication needed: my slice only
+        "my rows": (int(up[0]), int(up[-1]) + 1),
+    }
+
+
+def _dtensor_attention(attention: Attention, mesh, x: torch.Tensor) -> dict:
+    """Attention split by heads: ``q``, ``k``, ``v`` column-wise, ``o`` row-wise."""
+    plan = {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel()}
+    parallelize_module(attention, mesh, {**plan, "o": RowwiseParallel()})
+    with CommDebugMode() as forward:
+        out = attention(x)
+    local_rows = attention.q.weight.to_local().shape[0]
+    return {
+        "output": _plain(out),
+        "heads here": local_rows // attention.head_size,
+        "forward collectives": _counts(forward),
+    }
+
+
+def worker(
+    rank: int,
+    world_size: int,
+    hidden: int = 16,
+    ffn: int = 64,
+    heads: int = 8,
+    batch: int = 2,
+    seq: int = 5,
+    seed: int = 0,
+) -> dict:
+    """Split the MLP and the attention block of :func:`layers` over ``world_size`` ranks.
+
+    ``ffn`` and ``heads`` must be divisible by ``world_size`` (DTensor's even
+    split). Returns the outputs and gradients of each version (see the module).
+    """
+    for name, value in (("ffn", ffn), ("heads", heads)):
+        if _checks.count(name, value, minimum=1) % world_size:
+            raise ValueError(f"{name} must be divisible by world_size = {world_size}, got {value}")
+    dev = device()
+    mesh = init_device_mesh(dev.type, (world_size,))
+    x = layer_input(batch, seq, hidden, seed).to(dev)
+    mlp, attention = (m.to(dev) for m in layers(hidden, ffn, heads, seed))
+    result = {"by hand": _by_hand_mlp(mlp, rank, world_size, x)}
+    result["DTensor"] = _dtensor_mlp(mlp, mesh, x)
+    result["attention"] = _dtensor_attention(attention, mesh, x)
+    rows = result["by hand"]["my rows"]
+    print(
+        f"holds hidden units {rows[0]}-{rows[1] - 1} and {result['attention']['heads here']} heads"
+    )
+    return result
+
+
+def main(rank: int, world_size: int) -> None:
+    """``torchrun`` entry: run :func:`worker`; rank 0 compares with the unsplit layers."""
+    heads = 2 * world_size
+    got = worker(rank, world_size, ffn=8 * world_size, heads=heads, hidden=4 * heads)
+    if rank != 0:
+        return
+    mlp, attention = layers(4 * heads, 8 * world_size, heads)
+    x = layer_input(hidden=4 * heads).requires_grad_(True)
+    expected = mlp(x)
+    expected.sum().backward()
+    for version in ("DTensor", "by hand"):
+        error = (got[version]["output"] - expected).abs().max().item()
+        grad_error = (got[version]["input gradient"] - x.grad).abs().max().item()
+        print(f"{version:8s}: output {error:.1e}, input gradient {grad_error:.1e} from unsplit")
+    error = (got["attention"]["output"] - attention(x)).abs().max().item()
+    print(f"attention by heads: {error:.1e} from unsplit")
+    print(f"DTensor collectives: forward {got['DTensor']['forward collectives']},")
+    print(f"                     backward {got['DTensor']['backward collectives']}")
+
+
+if __name__ == "__main__":
+    torchrun_main(main)

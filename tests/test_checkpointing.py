@@ -1,0 +1,230 @@
+"""checkpointing: the segment model against measured bytes, counted FLOPs, and one
+transformer layer against Korthikanti et al.'s formula, to the byte."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+from trainscale import memory
+from trainscale.checkpointing import (
+    TransformerLayer,
+    best_segment,
+    korthikanti_bytes,
+    korthikanti_terms,
+    memory_timeline,
+    saved_by_op,
+    segment_memory,
+    step_flops,
+)
+
+# --- the segment model -------------------------------------------------------------------
+
+
+def test_timeline_by_hand_for_eight_blocks_in_segments_of_two():
+    a_in, a_block = 1, 10
+    points = memory_timeline(8, 2, a_in, a_block)
+    assert points[0] == (0.0, 0) and points[-1][1] == 0
+    assert max(b for _, b in points) == 4 * a_in + 2 * a_block - a_in == 23
+    assert points[-1][0] == 4 * 8  # forward 8, recompute 8, backward 16
+    plain = memory_timeline(8, None, a_in, a_block)
+    assert max(b for _, b in plain) == 80 and plain[-1] == (24.0, 0)
+
+
+@given(st.integers(1, 40), st.integers(1, 12), st.integers(0, 50), st.integers(0, 200))
+def test_peak_formula_when_segments_divide_the_stack(segments, k, a_in, extra):
+    n, a_block = segments * k, a_in + extra
+    m = segment_memory(n, k, a_in, a_block)
+    assert m.peak == (n // k) * a_in + k * a_block - a_in
+    assert m.stored == (n // k) * a_in and m.recomputed == k * a_block - a_in
+    assert m.extra_forward == 1.0
+
+
+@given(st.integers(1, 30), st.integers(1, 40), st.integers(0, 50), st.integers(0, 200))
+def test_timeline_never_goes_negative_and_checkpointing_never_costs_memory(n, k, a_in, extra):
+    a_block = a_in + extra
+    points = memory_timeline(n, k, a_in, a_block)
+    assert min(b for _, b in points) == 0 and points[-1][1] == 0
+    assert segment_memory(n, k, a_in, a_block).peak <= segment_memory(n, None, a_in, a_block).peak
+    if k >= n:  # one segment: stores one input, recomputes everything
+        assert segment_memory(n, k, a_in, a_block).peak == n * a_block
+
+
+@given(st.integers(1, 30), st.integers(1, 40), st.integers(0, 50), st.integers(0, 200))
+def test_closed_form_peak_is_the_timelines_peak(n, k, a_in, extra):
+    a_block = a_in + extra
+    for segment in (k, None):
+        timeline = memory_timeline(n, segment, a_in, a_block)
+        assert segment_memory(n, segment, a_in, a_block).peak == max(b for _, b in timeline)
+
+
+def test_uneven_segments_peak_at_the_largest_recomputation():
+    # 5 blocks in segments of 2, 2, 1; a_in = 1, a_block = 10
+    m = segment_memory(5, 2, 1, 10)
+    assert m.stored == 3
+    assert m.peak == max(1 + 20 - 1, 2 + 20 - 1, 3 + 10 - 1) == 21
+
+
+def test_best_segment_is_about_sqrt_n_for_a_uniform_chain_and_one_for_heavy_blocks():
+    for n in (4, 9, 16, 36, 100, 400):
+        best = best_segment(n, 1, 1)
+        assert abs(best - math.sqrt(n)) <= math.sqrt(n) / 2
+        peaks = [segment_memory(n, k, 1, 1).peak for k in range(1, n + 1)]
+        assert segment_memory(n, best, 1, 1).peak == min(peaks)
+    assert best_segment(8, 256, 2560) == 1
+
+
+@pytest.mark.parametrize(
+    ("args", "name"),
+    [
+        ((0, 1, 1, 1), "blocks"),
+        ((4, 0, 1, 1), "segment"),
+        ((4, 1, -1, 1), "block_input"),
+        ((4, 1, 5, 4), "block_saved"),
+    ],
+)
+def test_segment_model_names_bad_arguments(args, name):
+    with pytest.raises(ValueError, match=name):
+        segment_memory(*args)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 6])
+def test_segment_model_matches_what_autograd_keeps(k):
+    model = memory.mlp_stack(width=16, blocks=6, seed=0)
+    x = torch.randn(4, 16)
+    n = len(model)
+    a_in = memory.saved_activation_bytes(model, x, checkpointed=True) // n
+    a_block = memory.saved_activation_bytes(model, x) // n
+    m = segment_memory(n, k, a_in, a_block)
+    assert memory.saved_activation_bytes(model, x, checkpointed=True, segment=k) == m.stored
+    assert memory.saved_activation_bytes(model[:k], x) - a_in == m.recomputed
+
+
+# --- counted FLOPs -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_checkpointing_adds_exactly_one_forward(k):
+    model = memory.mlp_stack(width=16, blocks=4, seed=0)
+    x = torch.randn(8, 16)
+    plain, ckpt = step_flops(model, x), step_flops(model, x, segment=k)
+    assert plain["forward"] == ckpt["forward"] == 2 * 8 * 4 * 2 * 16 * 64
+    assert ckpt["backward"] - plain["backward"] == plain["forward"]
+    assert plain["backward"] == 2 * plain["forward"] - plain["forward"] // 8  # no input grad
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_step_flops_names_bad_arguments():
+    with pytest.raises(ValueError, match="model"):
+        step_flops(TransformerLayer(8, 2), torch.randn(1, 4, 8), segment=1)
+    with pytest.raises(ValueError, match="model"):
+        step_flops("not a model", torch.randn(1, 4, 8))
+
+
+# --- one transformer layer ---------------------------------------------------------------
+
+
+def test_korthikanti_by_hand():
+    # the 175B GPT-3 layer: s = 2048, b = 1, h = 12288, a = 96 -> 34 + 5 * 96 * 2048 / 12288 = 114
+    assert korthikanti_bytes(2048, 1, 12288, 96) == 2048 * 12288 * 114 == 2_868_903_936
+    terms = korthikanti_terms(128, 2, 256, 8)
+    sbh, as2b = 128 * 2 * 256, 8 * 128 * 128 * 2
+    assert terms == {"attention": 11 * sbh + 5 * as2b, "MLP": 19 * sbh, "layer norms": 4 * sbh}
+    with pytest.raises(ValueError, match="heads"):
+        korthikanti_bytes(128, 2, 256, 0)
+
+
+S, B, H, A = 16, 2, 32, 4
+SBH, AS2B = S * B * H, A * S * S * B
+
+
+def _saved(dtype=torch.bfloat16, **options):
+    layer = TransformerLayer(H, A, **options).to(dtype)
+    return memory.saved_activation_bytes(
+        layer, torch.randn(B, S, H, dtype=dtype, requires_grad=True)
+    )
+
+
+def test_layer_with_one_byte_masks_is_the_formula_plus_layer_norm_statistics():
+    stats = 4 * S * B * 2
+    assert _saved(fused_dropout=True) == korthikanti_bytes(S, B, H, A) + stats
+    assert _saved() == korthikanti_bytes(S, B, H, A) + 2 * SBH + AS2B + stats  # 2-byte masks
+    assert _saved(torch.float32, fused_dropout=True) == 66 * SBH + 9 * AS2B + 4 * S * B * 4
+
+
+def test_selective_recomputation_and_fused_attention_drop_the_square_term():
+    stats = 4 * S * B * 2
+    assert _saved(fused_dropout=True, recompute_attention=True) == 34 * SBH + stats
+    assert _saved(dropout=0.0) == 32 * SBH + 2 * AS2B + stats
+    assert _saved(dropout=0.0, attention="sdpa") == 32 * SBH + stats + A * S * B * 4
+
+
+def test_saved_by_op_lists_what_the_hooks_count():
+    layer = TransformerLayer(H, A).to(torch.bfloat16)
+    x = torch.randn(B, S, H, dtype=torch.bfloat16, requires_grad=True)
+    weights = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    rows = saved_by_op(layer(x), weights)
+    assert sum(r.nbytes for r in rows) == memory.saved_activation_bytes(layer, x)
+    assert rows[0].op == "NativeLayerNormBackward0" and rows[0].slot == "input"
+    assert sum(r.op == "SoftmaxBackward0" for r in rows) == 1
+    with pytest.raises(ValueError, match="output"):
+        saved_by_op(torch.ones(3))
+
+
+@pytest.mark.parametrize("how", ["selective", "full"])
+def test_recomputation_gives_bit_identical_gradients_even_with_dropout(how):
+    x = torch.randn(B, S, H)
+    plain = TransformerLayer(H, A, dropout=0.2, seed=4)
+    torch.manual_seed(1)
+    expected = torch.autograd.grad(plain(x).pow(2).mean(), list(plain.parameters()))
+    if how == "selective":
+        layer = TransformerLayer(H, A, dropout=0.2, recompute_attention=True, seed=4)
+        run = lambda: layer(x)  # noqa: E731
+    else:
+        layer = plain
+        run = lambda: memory.run_checkpointed(nn.Sequential(layer), x, 1)  # noqa: E731
+    torch.manual_seed(1)
+    got = torch.autograd.grad(run().pow(2).mean(), list(layer.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
+
+
+def test_selective_recomputation_costs_only_the_score_product():
+    x = torch.randn(B, S, H)
+    plain = step_flops(nn.Sequential(TransformerLayer(H, A)), x)
+    full = step_flops(nn.Sequential(TransformerLayer(H, A)), x, segment=1)
+    selective = step_flops(nn.Sequential(TransformerLayer(H, A, recompute_attention=True)), x)
+    assert plain["forward"] == 24 * B * S * H * H + 4 * B * S * S * H
+    assert full["backward"] - plain["backward"] == plain["forward"]
+    assert selective["backward"] - plain["backward"] == 2 * B * S * S * H
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"heads": 3}, "heads"),
+        ({"hidden": 0}, "hidden"),
+        ({"dropout": 1.0}, "dropout"),
+        ({"dropout": -0.1}, "dropout"),
+        ({"attention": "flash"}, "attention"),
+        ({"attention": "sdpa", "recompute_attention": True}, "recompute_attention"),
+        ({"fused_dropout": 1}, "fused_dropout"),
+    ],
+)
+def test_layer_names_bad_arguments(kwargs, name):
+    args = {"hidden": H, "heads": A} | kwargs
+    with pytest.raises(ValueError, match=name):
+        TransformerLayer(**args)
+
+
+def test_layer_weights_are_seeded_without_touching_the_global_rng():
+    torch.manual_seed(9)
+    before = torch.rand(1)
+    torch.manual_seed(9)
+    a = TransformerLayer(H, A, seed=2)
+    after = torch.rand(1)
+    b = TransformerLayer(H, A, seed=2)
+    assert torch.equal(before, after)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))

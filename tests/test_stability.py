@@ -1,0 +1,289 @@
+"""stability: the Markov language, real runs with and without safeguards, Adam vs AdamW."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from trainscale import figures
+from trainscale.figures.style import svg_text
+from trainscale.schedule import learning_rate
+from trainscale.stability import (
+    CONFIG,
+    Run,
+    best_possible_loss,
+    decay_comparison,
+    first_rise,
+    linear_scaling_gap,
+    sample_batches,
+    train,
+    transition_matrix,
+)
+from trainscale.transformer import GPTConfig
+
+TINY = GPTConfig(vocab=8, context=8, d_model=8, layers=1, heads=2)
+
+
+# --- the Markov language -------------------------------------------------------------
+
+
+def test_transition_matrix_is_a_seeded_chain():
+    chain = transition_matrix(16, seed=3)
+    assert chain.shape == (16, 16) and chain.dtype == torch.float64
+    assert torch.allclose(chain.sum(dim=1), torch.ones(16, dtype=torch.float64))
+    assert bool((chain > 0).all())
+    assert torch.equal(chain, transition_matrix(16, seed=3))
+    assert not torch.equal(chain, transition_matrix(16, seed=4))
+
+
+def _h(p: float) -> float:
+    """Entropy (nats) of a coin that comes up heads with probability ``p``."""
+    return -(p * math.log(p) + (1 - p) * math.log(1 - p))
+
+
+def test_best_possible_loss_by_hand():
+    uniform = torch.full((5, 5), 0.2, dtype=torch.float64)
+    assert best_possible_loss(uniform, seq=7) == pytest.approx(math.log(5), abs=1e-12)
+    cycle = torch.roll(torch.eye(4, dtype=torch.float64), 1, dims=1)  # 0->1->2->3->0
+    assert best_possible_loss(cycle, seq=3) == pytest.approx(0.0, abs=1e-12)
+    # Two states: leave state 0 with probability a, state 1 with probability b.
+    a, b = 0.1, 0.4
+    two = torch.tensor([[1 - a, a], [b, 1 - b]], dtype=torch.float64)
+    first = (_h(a) + _h(b)) / 2  # the first token is uniform
+    second = ((1 - a + b) * _h(a) + (a + 1 - b) * _h(b)) / 2  # after one step of the chain
+    assert best_possible_loss(two, seq=1) == pytest.approx(first, abs=1e-12)
+    assert best_possible_loss(two, seq=2) == pytest.approx((first + second) / 2, abs=1e-12)
+    # Long sequences: the stationary distribution (b, a) / (a + b) takes over.
+    rate = (b * _h(a) + a * _h(b)) / (a + b)
+    assert best_possible_loss(two, seq=10_000) == pytest.approx(rate, abs=1e-3)
+
+
+def test_the_best_loss_is_what_the_true_chain_scores_on_sampled_text():
+    chain = transition_matrix(8, seed=2)
+    tokens = sample_batches(chain, steps=50, batch=40, seq=12, seed=3)
+    nats = -chain.log()[tokens[..., :-1], tokens[..., 1:]]
+    assert nats.mean().item() == pytest.approx(best_possible_loss(chain, seq=12), abs=0.02)
+
+
+def test_sampled_text_follows_the_chain():
+    chain = transition_matrix(6, seed=0)
+    tokens = sample_batches(chain, steps=40, batch=50, seq=50, seed=1)
+    assert tokens.shape == (40, 50, 51) and tokens.dtype == torch.long
+    assert int(tokens.min()) >= 0 and int(tokens.max()) <= 5
+    current, following = tokens[..., :-1].flatten(), tokens[..., 1:].flatten()
+    counts = torch.zeros(6, 6, dtype=torch.float64)
+    counts.index_put_((current, following), torch.ones(len(current), dtype=torch.float64), True)
+    frequencies = counts / counts.sum(dim=1, keepdim=True)
+    assert torch.allclose(frequencies, chain, atol=0.02)  # 100,000 transitions
+    assert torch.equal(tokens, sample_batches(chain, steps=40, batch=50, seq=50, seed=1))
+
+
+def test_impossible_transitions_never_happen():
+    cycle = torch.roll(torch.eye(4, dtype=torch.float64), 1, dims=1)
+    tokens = sample_batches(cycle, steps=3, batch=5, seq=9)
+    assert torch.equal(tokens[..., 1:], (tokens[..., :-1] + 1) % 4)
+
+
+def test_chain_arguments_are_checked():
+    with pytest.raises(ValueError, match="vocab"):
+        transition_matrix(1)
+    with pytest.raises(ValueError, match="sharpness"):
+        transition_matrix(4, sharpness=0)
+    with pytest.raises(ValueError, match="transitions"):
+        best_possible_loss(torch.ones(3, 3), seq=2)  # rows sum to 3
+    with pytest.raises(ValueError, match="transitions"):
+        best_possible_loss(torch.ones(2, 3) / 3, seq=2)
+    with pytest.raises(ValueError, match="seq"):
+        best_possible_loss(transition_matrix(4), seq=0)
+    with pytest.raises(ValueError, match="steps"):
+        sample_batches(transition_matrix(4), steps=0, batch=1, seq=1)
+
+
+# --- training runs -------------------------------------------------------------------
+
+
+def test_a_run_is_reproducible_and_logs_every_step():
+    first = train(0.5, warmup=3, clip=1.0, steps=8, config=TINY, batch=4)
+    second = train(0.5, warmup=3, clip=1.0, steps=8, config=TINY, batch=4)
+    assert first == second  # bit for bit
+    assert len(first.losses) == len(first.grad_norms) == len(first.lrs) == 8
+    assert first.lrs == tuple(learning_rate(s, 0.5, 3, 8) for s in range(8))
+    assert not first.diverged
+    assert first.final_loss(last=3) == pytest.approx(sum(first.losses[-3:]) / 3)
+
+
+def test_the_global_thread_count_is_restored():
+    threads = torch.get_num_threads()
+    train(0.1, steps=2, config=TINY, batch=2)
+    assert torch.get_num_threads() == threads
+
+
+def test_logged_norms_are_before_clipping_and_clipping_bounds_the_steps():
+    unclipped = train(0.5, steps=6, config=TINY, batch=4)
+    clipped = train(0.5, clip=1e-9, steps=6, config=TINY, batch=4)
+    assert clipped.grad_norms[0] == unclipped.grad_norms[0] > 1e-3
+    # Steps of at most lr x 1e-9 (times momentum's sum) leave the loss where it was.
+    still = train(1e-12, steps=6, config=TINY, batch=4)
+    assert clipped.losses == pytest.approx(still.losses, abs=1e-6)
+
+
+def test_a_diverged_run_stops_at_the_first_non_finite_loss():
+    run = Run(losses=(2.0, 5.0, math.nan), grad_norms=(1.0, 9.0, math.nan), lrs=(1, 1, 1), steps=10)
+    assert run.diverged and run.final_loss() == math.inf
+    assert not Run((2.0, 1.0), (1.0, 1.0), (1, 1), 2).diverged
+
+
+def test_chapter_10_claims_hold():
+    """The runs of chapter 10, at its settings: what each safeguard does."""
+    best = best_possible_loss(transition_matrix(CONFIG.vocab, seed=0), CONFIG.context)
+    none = train(1.5, 0, None)
+    clip_only = train(1.5, 0, 1.0)
+    warmup_only = train(1.5, 50, None)
+    both = train(1.5, 50, 1.0)
+    assert none.diverged and warmup_only.diverged
+    assert len(none.losses) < len(warmup_only.losses)  # warmup delays the blow-up
+    assert not clip_only.diverged and not both.diverged
+    assert both.final_loss() < 1.1 * best
+    assert first_rise(warmup_only.grad_norms) < first_rise(warmup_only.losses)
+    adam = train(0.1, 0, None, optimizer="adamw")
+    adam_clipped = train(0.1, 0, 1.0, optimizer="adamw")
+    adam_warm = train(0.1, 50, None, optimizer="adamw")
+    assert adam.final_loss() > 1.3 * best and adam_clipped.final_loss() > 1.3 * best
+    assert adam_warm.final_loss() < 1.1 * best
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"peak": 0}, "peak"),
+        ({"warmup": 10, "steps": 10}, "warmup"),
+        ({"clip": 0}, "clip"),
+        ({"clip": -1.0}, "clip"),
+        ({"steps": 0}, "steps"),
+        ({"optimizer": "adam"}, "optimizer"),
+        ({"config": "tiny"}, "config"),
+        ({"seed": -1}, "seed"),
+    ],
+)
+def test_train_names_the_bad_argument(kwargs, name):
+    args = {"peak": 0.1, "warmup": 0, "steps": 2, "config": TINY, "batch": 2} | kwargs
+    with pytest.raises(ValueError, match=name):
+        train(**args)
+
+
+# --- the alarm -------------------------------------------------------------------------
+
+
+def test_first_rise_by_hand():
+    flat = [1.0] * 10
+    assert first_rise([*flat, 3.0]) == 10
+    assert first_rise([*flat, 1.5, 1.9]) is None
+    assert first_rise([*flat, 1.0, math.nan]) == 11
+    assert first_rise([5.0, 1.0, 1.0, 2.5], window=2) == 3
+    assert first_rise([1.0] * 5) is None  # shorter than the window
+    assert first_rise([]) is None
+
+
+@given(st.lists(st.floats(0.01, 100), min_size=0, max_size=40), st.integers(1, 12))
+def test_first_rise_points_at_a_rise(values, window):
+    copy = list(values)
+    index = first_rise(values, window=window)
+    assert values == copy  # never mutated
+    if index is not None:
+        earlier = sorted(values[index - window : index])
+        median = (earlier[(window - 1) // 2] + earlier[window // 2]) / 2
+        assert values[index] > 2 * median
+
+
+def test_first_rise_arguments():
+    with pytest.raises(ValueError, match="factor"):
+        first_rise([1.0], factor=0)
+    with pytest.raises(ValueError, match="window"):
+        first_rise([1.0], window=0)
+
+
+# --- linear scaling and weight decay ---------------------------------------------------
+
+
+def test_linear_scaling_is_exact_for_one_batch_and_first_order_in_lr():
+    assert linear_scaling_gap(0.1, k=1) == 0.0
+    small, smaller = linear_scaling_gap(1e-4), linear_scaling_gap(1e-5)
+    assert small / smaller == pytest.approx(10, rel=1e-3)  # relative gap proportional to lr
+    gaps = [linear_scaling_gap(lr) for lr in (0.001, 0.01, 0.1)]
+    assert gaps == sorted(gaps)
+    assert linear_scaling_gap(0.01, k=2) < linear_scaling_gap(0.01, k=8)
+
+
+def test_linear_scaling_arguments():
+    with pytest.raises(ValueError, match="lr"):
+        linear_scaling_gap(0)
+    with pytest.raises(ValueError, match="k"):
+        linear_scaling_gap(0.1, k=0)
+
+
+def test_adamw_decays_alike_adam_l2_divides_by_the_gradient_size():
+    shares = decay_comparison((10.0, 1.0, 0.01), lr=1e-3, weight_decay=0.1, steps=1000)
+    large, unit, small = shares["Adam + L2"]
+    assert large > 0.98 and small < 0.5  # L2 under Adam: decay ~ 1 / gradient size
+    assert unit == pytest.approx(shares["AdamW"][1], abs=0.01)  # size 1: the same decay
+    adamw = shares["AdamW"]
+    assert max(adamw) - min(adamw) < 1e-6
+    assert adamw[0] == pytest.approx((1 - 1e-3 * 0.1) ** 1000, abs=0.01)
+
+
+@given(st.lists(st.floats(1e-2, 1e2), min_size=1, max_size=4))
+def test_adamw_shares_do_not_depend_on_the_gradient_size(scales):
+    copy = list(scales)
+    shares = decay_comparison(scales, steps=50)
+    assert scales == copy
+    assert all(0 < s <= 1 for s in shares["AdamW"])
+    assert max(shares["AdamW"]) - min(shares["AdamW"]) < 1e-4
+
+
+def test_decay_comparison_arguments():
+    with pytest.raises(ValueError, match="scales"):
+        decay_comparison(())
+    with pytest.raises(ValueError, match="scales"):
+        decay_comparison((1.0, -1.0))
+    with pytest.raises(ValueError, match="weight_decay"):
+        decay_comparison(weight_decay=0)
+
+
+# --- the chapter's figures (trainscale.figures.schedule) ---------------------------------
+
+
+def test_lr_schedule_draws_the_rates_and_the_checked_points():
+    steps = list(range(0, 101, 10))
+    rates = [learning_rate(s, 1.0, 20, 80) for s in steps]
+    fig = figures.lr_schedule(steps, rates, 20, 80, "schedule", checked={0: rates[0], 50: rates[5]})
+    ax = fig.axes[0]
+    line, dots = ax.lines[0], ax.lines[1]
+    assert list(line.get_xdata()) == steps and list(line.get_ydata()) == rates
+    assert list(dots.get_xdata()) == [0, 50]
+    assert [t.get_text() for t in ax.texts] == ["end of warmup", "end of decay"]
+    assert svg_text(fig) == svg_text(
+        figures.lr_schedule(steps, rates, 20, 80, "schedule", checked={0: rates[0], 50: rates[5]})
+    )
+
+
+def test_training_curves_mark_diverged_runs_on_the_top_edge():
+    runs = {
+        "fine": ((3.0, 2.0, 1.8), (1.0, 0.8, 0.5)),
+        "blew up": ((3.0, 50.0, math.nan), (1.0, 80.0, math.nan)),
+    }
+    fig = figures.training_curves(runs, 1.5, "runs", alarms={"norm alarm": 1})
+    loss_ax, norm_ax = fig.axes
+    crosses = [line for line in loss_ax.lines if line.get_marker() == "x"]
+    assert len(crosses) == 1 and list(crosses[0].get_ydata()) == [20.0]  # top of loss_range
+    assert [t.get_text() for t in norm_ax.texts] == ["norm alarm"]
+    assert loss_ax.get_yscale() == norm_ax.get_yscale() == "log"
+    assert runs["blew up"][0][2] != runs["blew up"][0][2]  # inputs untouched (still NaN)
+
+
+def test_decay_bars_one_bar_per_weight_and_optimiser():
+    shares = {"Adam + L2": [0.99, 0.26], "AdamW": [0.9, 0.9]}
+    fig = figures.decay_bars(shares, ["large", "small"], "decay")
+    heights = [round(p.get_height(), 2) for p in fig.axes[0].patches]
+    assert heights == [0.99, 0.9, 0.26, 0.9]  # bars are grouped by weight, one per optimiser

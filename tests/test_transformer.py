@@ -1,0 +1,253 @@
+"""transformer: a tiny GPT, its exact parameter count and the FLOPs it really runs."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.utils.flop_counter import FlopCounterMode
+
+from trainscale import figures
+from trainscale.compute import attention_training_flops, training_budget, training_flops
+from trainscale.figures.style import svg_text
+from trainscale.transformer import (
+    GPTConfig,
+    gpt,
+    matmul_weights,
+    non_embedding_params,
+    parameter_counts,
+)
+
+SMALL = GPTConfig(vocab=50, context=16, d_model=24, layers=2, heads=3)
+
+
+def test_gpt2_small_has_124m_parameters():
+    # GPT-2 small: 12 layers of width 768, 50,257 tokens, 1,024 positions, tied head.
+    config = GPTConfig(vocab=50_257, context=1024, d_model=768, layers=12, heads=12)
+    assert sum(parameter_counts(config).values()) == 124_439_808
+    # Kaplan's approximation 12 * layers * d_model**2 leaves out biases and norms.
+    assert 12 * 12 * 768**2 == 84_934_656
+    assert non_embedding_params(config) == 85_056_000
+    assert matmul_weights(config) == 84_934_656 + 768 * 50_257
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_parameter_counts_match_the_model(tied):
+    config = GPTConfig(vocab=50, context=16, d_model=24, layers=3, heads=4, d_ff=40, tied=tied)
+    model = gpt(config)
+    counts = parameter_counts(config)
+    assert sum(p.numel() for p in model.parameters()) == sum(counts.values())
+    assert (counts["head"] == 0) is tied
+    assert (model.head.weight is model.token_embedding.weight) is tied
+    assert (
+        non_embedding_params(config) == counts["attention"] + counts["mlp"] + counts["layer norms"]
+    )
+
+
+@given(
+    st.integers(1, 40),
+    st.integers(1, 20),
+    st.integers(1, 4),
+    st.integers(1, 3),
+    st.integers(0, 30),
+    st.booleans(),
+)
+def test_parameter_counts_match_for_any_shape(vocab, context, head_width, heads, d_ff, tied):
+    config = GPTConfig(
+        vocab=vocab,
+        context=context,
+        d_model=head_width * heads,
+        layers=1,
+        heads=heads,
+        d_ff=d_ff,
+        tied=tied,
+    )
+    model = gpt(config)
+    assert sum(p.numel() for p in model.parameters()) == sum(parameter_counts(config).values())
+
+
+def test_attention_is_causal():
+    model = gpt(SMALL, seed=1)
+    tokens = torch.randint(SMALL.vocab, (2, SMALL.context))
+    changed = tokens.clone()
+    changed[:, 10:] = (changed[:, 10:] + 1) % SMALL.vocab  # rewrite the future
+    with torch.no_grad():
+        before, after = model(tokens), model(changed)
+    assert torch.equal(before[:, :10], after[:, :10])
+    assert not torch.allclose(before[:, 10:], after[:, 10:])
+
+
+def test_same_seed_same_model_and_global_random_state_untouched():
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    first, second = gpt(SMALL, seed=5), gpt(SMALL, seed=5)
+    assert torch.equal(torch.rand(3), expected)
+    for a, b in zip(first.parameters(), second.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert not torch.equal(
+        gpt(SMALL, seed=6).blocks[0].mlp[0].weight, first.blocks[0].mlp[0].weight
+    )
+
+
+def test_initialisation_is_gpt2s():
+    config = GPTConfig(vocab=512, context=64, d_model=256, layers=8, heads=4)
+    model = gpt(config)
+    assert model.blocks[0].mlp[0].weight.std().item() == pytest.approx(0.02, rel=0.02)
+    residual = 0.02 / 4  # 0.02 / sqrt(2 * 8 layers)
+    assert model.blocks[3].attention.proj.weight.std().item() == pytest.approx(residual, rel=0.02)
+    assert model.blocks[3].mlp[2].weight.std().item() == pytest.approx(residual, rel=0.02)
+    assert torch.equal(model.blocks[0].norm1.weight, torch.ones(256))
+    assert torch.equal(model.blocks[0].attention.qkv.bias, torch.zeros(3 * 256))
+
+
+def test_loss_of_a_fresh_model_is_close_to_log_vocab():
+    model = gpt(SMALL)
+    tokens = torch.randint(
+        SMALL.vocab, (4, SMALL.context + 1), generator=torch.Generator().manual_seed(0)
+    )
+    loss = model.loss(tokens[:, :-1], tokens[:, 1:]).item()
+    assert loss == pytest.approx(torch.log(torch.tensor(50.0)).item(), abs=0.05)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_counted_training_flops_are_6n_plus_the_attention_term(tied):
+    """FlopCounterMode sees exactly 6 x matmul weights x tokens + 12 L T d x tokens."""
+    config = GPTConfig(vocab=50, context=16, d_model=24, layers=2, heads=3, tied=tied)
+    model = gpt(config)
+    batch, seq = 3, 16
+    tokens = torch.randint(config.vocab, (batch, seq + 1))
+    with FlopCounterMode(display=False) as counter:
+        model.loss(tokens[:, :-1], tokens[:, 1:]).backward()
+    expected = training_flops(matmul_weights(config), batch * seq) + attention_training_flops(
+        config.layers, seq, config.d_model, batch * seq
+    )
+    assert counter.get_total_flops() == expected
+
+
+def test_sequences_shorter_than_the_context_work_and_longer_ones_do_not():
+    model = gpt(SMALL)
+    assert model(torch.zeros(1, 5, dtype=torch.long)).shape == (1, 5, SMALL.vocab)
+    with pytest.raises(ValueError, match="context"):
+        model(torch.zeros(1, SMALL.context + 1, dtype=torch.long))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"vocab": 0}, "vocab"),
+        ({"context": 0}, "context"),
+        ({"d_model": 10, "heads": 3}, "heads"),
+        ({"layers": -1}, "layers"),
+        ({"d_ff": -4}, "d_ff"),
+        ({"heads": 1.5}, "heads"),
+        ({"tied": 1}, "tied"),
+    ],
+)
+def test_config_names_the_bad_argument(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        GPTConfig(**({"vocab": 8, "context": 8, "d_model": 8, "layers": 1, "heads": 2} | kwargs))
+
+
+def test_functions_reject_something_that_is_not_a_config():
+    for function in (gpt, parameter_counts, non_embedding_params, matmul_weights):
+        with pytest.raises(ValueError, match="config"):
+            function({"d_model": 8})
+
+
+# --- chapter 11's additions to trainscale.compute ----------------------------------------
+
+
+def test_attention_term_by_hand():
+    # 1 layer, context 4, width 2, one token: 3 x (2 x 4 x 2 scores + 2 x 4 x 2 values).
+    assert attention_training_flops(1, 4, 2, 1) == 3 * (2 * 4 * 2 + 2 * 4 * 2) == 96
+    assert attention_training_flops(0, 4096, 4096, 10**9) == 0
+    # Relative to 6N = 72 l h^2 per token, the term is s / 6h (Narayanan et al.).
+    layers, seq, width = 32, 4096, 4096
+    six_n = 72 * layers * width**2
+    assert attention_training_flops(layers, seq, width, 1) / six_n == pytest.approx(
+        seq / (6 * width)
+    )
+
+
+@given(st.integers(0, 200), st.integers(0, 10**6), st.integers(0, 10**5), st.integers(0, 10**13))
+def test_attention_term_is_exact_for_huge_counts(layers, context, width, tokens):
+    assert (
+        attention_training_flops(layers, context, width, tokens)
+        == 12 * layers * context * width * tokens
+    )
+
+
+def test_training_budget_worked_examples():
+    one_b = training_budget(1e9, 100e9, gpus=8, peak_flops=1000e12, mfu=0.4, price_per_gpu_hour=2.0)
+    assert one_b.flops == 6 * 10**20
+    assert one_b.seconds == pytest.approx(187_500)
+    assert one_b.days == pytest.approx(2.17, abs=0.005)
+    assert one_b.gpu_hours == pytest.approx(187_500 * 8 / 3600)  # 416.7
+    assert one_b.cost == pytest.approx(2 * 187_500 * 8 / 3600)
+    exercise = training_budget(3e9, 300e9, 16, 1000e12, 0.4, 2.0)
+    assert exercise.days == pytest.approx(9.77, abs=0.005)
+
+
+@given(st.integers(1, 10**12), st.integers(1, 10**13), st.integers(1, 10**5))
+def test_gpu_hours_do_not_depend_on_the_number_of_gpus(params, tokens, gpus):
+    one = training_budget(params, tokens, 1, 1e15, 0.5, 1.0)
+    many = training_budget(params, tokens, gpus, 1e15, 0.5, 1.0)
+    assert many.gpu_hours == pytest.approx(one.gpu_hours, rel=1e-12)
+    assert many.seconds * gpus == pytest.approx(one.seconds, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"price_per_gpu_hour": 0}, "price_per_gpu_hour"),
+        ({"gpus": 0}, "gpus"),
+        ({"mfu": 2}, "mfu"),
+        ({"params": -1}, "params"),
+    ],
+)
+def test_training_budget_names_the_bad_argument(kwargs, name):
+    args = {
+        "params": 1e9,
+        "tokens": 1e9,
+        "gpus": 8,
+        "peak_flops": 1e15,
+        "mfu": 0.4,
+        "price_per_gpu_hour": 2.0,
+    } | kwargs
+    with pytest.raises(ValueError, match=name):
+        training_budget(**args)
+
+
+def test_attention_term_names_the_bad_argument():
+    for kwargs, name in (
+        ({"layers": -1}, "layers"),
+        ({"context": 1.5}, "context"),
+        ({"d_attn": -2}, "d_attn"),
+        ({"tokens": -1}, "tokens"),
+    ):
+        args = {"layers": 1, "context": 1, "d_attn": 1, "tokens": 1} | kwargs
+        with pytest.raises(ValueError, match=name):
+            attention_training_flops(**args)
+
+
+# --- chapter 11's figures (trainscale.figures.compute) -------------------------------------
+
+
+def test_flop_breakdown_stacks_the_parts_next_to_the_count():
+    fig = figures.flop_breakdown({"a": 2e9, "b": 1e9}, 3e9, "flops")
+    widths = [round(p.get_width(), 6) for p in fig.axes[0].patches]
+    assert widths == [2.0, 1.0, 3.0]  # GFLOP: two parts, then the counted bar
+
+
+def test_attention_share_plots_percentages():
+    fig = figures.attention_share([1024, 2048], {"w": [0.1, 0.2]}, "share")
+    assert list(fig.axes[0].lines[0].get_ydata()) == [10.0, 20.0]
+
+
+def test_budget_table_shows_the_cells_it_is_given():
+    fig = figures.budget_table(("a", "b"), [("1", "2")], "table", note="assumed")
+    cells = fig.axes[0].tables[0].get_celld().values()
+    assert sorted(cell.get_text().get_text() for cell in cells) == ["1", "2", "a", "b"]
+    assert [t.get_text() for t in fig.texts] == ["assumed"]
+    again = figures.budget_table(("a", "b"), [("1", "2")], "table", note="assumed")
+    assert svg_text(fig) == svg_text(again)
