@@ -8,14 +8,27 @@ STAMP  := $(VENV)/.installed
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 
-.PHONY: book site serve lab test lint unit-and-notebooks site-check browser chromium clean
+.PHONY: book site serve lab test check lint unit notebooks site-check browser bench chromium clean
+
+# The PyTorch version the book pins, and where its CPU-only build is published.
+TORCH_VERSION   := 2.13.0
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
 # Create the virtual environment and install the pinned requirements (once, or
-# again whenever requirements.txt or pyproject.toml change).
+# again whenever requirements.txt or pyproject.toml change). On Linux without an
+# NVIDIA GPU, torch comes from the PyTorch CPU index first (PyPI's Linux wheel is
+# a CUDA build of several GB); if that index cannot be reached, pip gives up
+# within seconds and the pinned requirements install as they are.
 $(STAMP): requirements.txt pyproject.toml
 	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Python 3.11 or newer is needed"'
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
+	@if [ "$$(uname -s)" = Linux ] && ! command -v nvidia-smi >/dev/null 2>&1; then \
+		echo "No NVIDIA GPU: installing the CPU build of torch $(TORCH_VERSION)"; \
+		$(BIN)/python -m pip install --quiet --timeout 5 --retries 0 \
+			--index-url $(TORCH_CPU_INDEX) torch==$(TORCH_VERSION) \
+		|| echo "The PyTorch CPU index is not reachable: torch comes from requirements.txt"; \
+	fi
 	$(BIN)/python -m pip install --quiet -r requirements.txt
 	touch $@
 
@@ -34,17 +47,30 @@ lab: $(STAMP)
 	$(BIN)/jupyter lab --ip=$(HOST) --notebook-dir=notebooks
 
 ## make test: everything that checks the book
-test: lint unit-and-notebooks site-check browser
+test: lint release-lint unit notebooks site-check browser
+
+## make check: the inner loop while writing: lint and the fast unit tests (< 60 s)
+check: lint
+	$(BIN)/python -m pytest -q -n 2 -m "not slow and not browser"
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests notebooks
-	$(BIN)/ruff format --check src tests notebooks
+	$(BIN)/ruff check src tests notebooks tools
+	$(BIN)/ruff format --check src tests notebooks tools
 
-# Unit and property tests, the committed-notebook checks, and nbval strict:
-# every notebook cell re-run and its text output compared with what is stored.
-unit-and-notebooks: $(STAMP)
-	$(BIN)/python -m pytest tests notebooks --ignore=tests/browser --nbval --nbval-current-env \
-		--nbval-sanitize-with tests/sanitize.cfg
+# Unit and property tests (real gloo jobs included) and the committed-notebook
+# checks, two at a time on two cores.
+unit: $(STAMP)
+	$(BIN)/python -m pytest -n 2 tests
+
+# nbval strict: every notebook re-run and each text output (and SVG figure)
+# compared with the stored one. The kernels run with torch's and MKL's vector
+# code forced to another instruction set than this machine's (plain C++ kernels,
+# SSE4.2 BLAS), so a pass shows the stored outputs hold on other CPUs too
+# (see CONTRIBUTING.md, "Outputs that hold on every CPU").
+KERNELS_ELSEWHERE := ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2
+notebooks: $(STAMP)
+	$(KERNELS_ELSEWHERE) $(BIN)/python -m pytest -n 2 --dist loadfile notebooks \
+		--nbval --nbval-current-env --nbval-sanitize-with tests/sanitize.cfg
 
 # The website from a clean _build, with every Sphinx warning an error.
 site-check: $(STAMP)
@@ -53,7 +79,11 @@ site-check: $(STAMP)
 
 # The built site (and JupyterLab) in headless Chromium, as a reader would use them.
 browser: $(STAMP) chromium
-	$(BIN)/python -m pytest tests/browser
+	$(BIN)/python -m pytest -m browser tests/browser
+
+## make bench: how long each part of the book takes to run on this machine
+bench: $(STAMP)
+	$(BIN)/python tools/bench.py
 
 # Debian's Chromium for the browser tests, installed if missing (needs root or sudo).
 chromium:
@@ -64,3 +94,25 @@ chromium:
 
 clean:
 	rm -rf _build
+
+## make ship-check: the release's metadata and packaging (no network once installed)
+# CITATION.cff against the Citation File Format schema; the GitHub workflows with
+# actionlint and zizmor (offline: no GitHub API calls); then the wheel built,
+# installed into an empty venv and used there, and Binder's pins against
+# requirements.txt (tests that `make unit` runs too, so `make test` runs only
+# release-lint). cffconvert needs jsonschema<4, which Jupyter cannot have: it gets
+# its own venv.
+CFFCONVERT := $(VENV)/cffconvert
+.PHONY: ship-check release-lint
+ship-check: release-lint
+	$(BIN)/python -m pytest -q tests/test_packaging.py tests/test_binder.py
+
+release-lint: $(STAMP) $(CFFCONVERT)/.installed
+	$(CFFCONVERT)/bin/cffconvert --validate --infile CITATION.cff
+	$(BIN)/actionlint
+	$(BIN)/zizmor --offline .github/workflows
+
+$(CFFCONVERT)/.installed: requirements-cffconvert.txt $(STAMP)
+	$(PYTHON) -m venv $(CFFCONVERT)
+	$(CFFCONVERT)/bin/python -m pip install --quiet -r requirements-cffconvert.txt
+	touch $@

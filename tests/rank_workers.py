@@ -3,6 +3,7 @@
 import os
 import socket
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -58,3 +59,10 @@ def listening_sockets(rank: int, world_size: int) -> list[str]:
                     addresses.append(f"{family.name}:{fields[1]}")
     dist.barrier()
     return addresses
+
+
+def hang_after_touching(rank: int, world_size: int, folder: str) -> int:
+    """Say "running" by creating ``folder/<rank>``, then hang until killed."""
+    (Path(folder) / str(rank)).touch()
+    time.sleep(3600)
+    return rank

@@ -9,15 +9,19 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
-from trainscale import memory
+from trainscale import memory, transformer
 from trainscale.checkpointing import (
+    ACTIVATION_PARTS,
+    RECOMPUTE,
     TransformerLayer,
     best_segment,
     korthikanti_bytes,
     korthikanti_terms,
+    layer_activation_bytes,
     memory_timeline,
     saved_by_op,
     segment_memory,
+    selective_recompute_flops,
     step_flops,
 )
 
@@ -137,6 +141,96 @@ def test_korthikanti_by_hand():
         korthikanti_bytes(128, 2, 256, 0)
 
 
+def test_activation_parts_add_up_to_the_papers_34_and_5():
+    assert sum(part.per_sbh for part in ACTIVATION_PARTS) == 34
+    assert sum(part.per_as2b for part in ACTIVATION_PARTS) == 5
+    assert sum(part.per_sbh for part in ACTIVATION_PARTS if not part.split_by_tp) == 10
+    assert sum(part.per_sbh for part in ACTIVATION_PARTS if part.split_by_tp) == 24
+    assert all(part.split_by_tp for part in ACTIVATION_PARTS if part.per_as2b)  # split by heads
+
+
+# s = 4, b = 2, h = 8, a = 2: s*b*h = 64, a*s*s*b = 64, so 5as/h = 5; t = 2.
+@pytest.mark.parametrize(
+    ("tp", "sp", "mode", "expected"),
+    [
+        (1, False, "none", 2_496),  # sbh(34 + 5as/h) = 64 x 39
+        (2, False, "none", 1_568),  # sbh(10 + 24/t + 5as/(ht)) = 64 x (10 + 12 + 2.5)
+        (2, True, "none", 1_248),  # sbh(34/t + 5as/(ht)) = 64 x (17 + 2.5)
+        (2, False, "selective", 1_408),  # sbh(10 + 24/t) = 64 x 22
+        (2, True, "selective", 1_088),  # sbh 34/t = 64 x 17
+        (2, False, "full", 128),  # the layer's 16-bit input only: 2 sbh
+        (2, True, "full", 64),  # sharded along the sequence: 2 sbh / t
+        (1, True, "none", 2_496),  # sequence parallelism alone changes nothing
+    ],
+)
+def test_layer_activations_follow_korthikanti_table_2(tp, sp, mode, expected):
+    got = layer_activation_bytes(4, 2, 8, 2, tp=tp, sequence_parallel=sp, recompute=mode)
+    assert got == expected
+
+
+def test_gpt3_layer_by_hand():
+    # s = 2048, b = 1, h = 12288, a = 96, t = 8: 5as/h = 80, sbh = 25,165,824.
+    assert layer_activation_bytes(2048, 1, 12288, 96) == 25_165_824 * 114 == 2_868_903_936
+    tp_only = 25_165_824 * (10 + 24 / 8 + 80 / 8)  # sbh(10 + 24/t + 5as/(ht))
+    assert layer_activation_bytes(2048, 1, 12288, 96, 8) == tp_only == 578_813_952
+    with_sp = 25_165_824 * (34 / 8 + 80 / 8)  # sbh(34/t + 5as/(ht))
+    assert layer_activation_bytes(2048, 1, 12288, 96, 8, True) == with_sp == 358_612_992
+    assert layer_activation_bytes(2048, 1, 12288, 96, 8, True, "selective") == 106_954_752
+
+
+@given(
+    st.integers(1, 4096),
+    st.integers(1, 8),
+    st.sampled_from([(64, 1), (128, 2), (4096, 32), (96, 3)]),
+)
+def test_korthikanti_bytes_is_the_table_without_parallelism(s, b, shape):
+    h, a = shape
+    assert korthikanti_bytes(s, b, h, a) == layer_activation_bytes(s, b, h, a, 1, False, "none")
+
+
+@given(
+    st.integers(1, 8192),
+    st.integers(1, 16),
+    st.sampled_from([(64, 1), (128, 2), (4096, 32), (8192, 64), (96, 3)]),
+    st.integers(1, 64),
+    st.booleans(),
+)
+def test_recomputation_never_increases_activation_memory(s, b, shape, tp, sp):
+    h, a = shape
+    none, selective, full = (layer_activation_bytes(s, b, h, a, tp, sp, m) for m in RECOMPUTE)
+    assert 0 < full <= selective <= none
+    assert layer_activation_bytes(s, 2 * b, h, a, tp, sp) == 2 * none  # linear in the batch
+
+
+def test_selective_recompute_flops_is_q_k_transpose_by_hand():
+    # 2 b s^2 h: b = 2, s = 128, h = 256 -> 16,777,216 FLOPs, what chapter 09 measures.
+    assert selective_recompute_flops(128, 2, 256) == 16_777_216
+    # The 70B example: s = 4096, b = 1, h = 8192 over TP 8: 2 x 4096^2 x 8192 / 8.
+    assert selective_recompute_flops(4096, 1, 8192, tp=8) == 34_359_738_368
+    with pytest.raises(ValueError, match="tp"):
+        selective_recompute_flops(128, 2, 256, tp=0)
+
+
+def test_selective_recompute_flops_is_what_pytorch_recomputes():
+    x = torch.randn(B, S, H)
+    plain = nn.Sequential(TransformerLayer(H, A, fused_dropout=True))
+    selective = nn.Sequential(TransformerLayer(H, A, fused_dropout=True, recompute_attention=True))
+    extra = step_flops(selective, x)["backward"] - step_flops(plain, x)["backward"]
+    assert extra == selective_recompute_flops(S, B, H) == 2 * B * S * S * H
+
+
+def test_layer_activation_bytes_names_bad_arguments():
+    for kwargs, name in (
+        ({"seq_len": 0}, "seq_len"),
+        ({"recompute": "half"}, "recompute"),
+        ({"sequence_parallel": None}, "sequence_parallel"),
+        ({"tp": 0}, "tp"),
+    ):
+        args = {"seq_len": 4, "micro_batch": 1, "hidden": 8, "heads": 2} | kwargs
+        with pytest.raises(ValueError, match=name):
+            layer_activation_bytes(**args)
+
+
 S, B, H, A = 16, 2, 32, 4
 SBH, AS2B = S * B * H, A * S * S * B
 
@@ -228,3 +322,12 @@ def test_layer_weights_are_seeded_without_touching_the_global_rng():
     b = TransformerLayer(H, A, seed=2)
     assert torch.equal(before, after)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+
+
+def test_the_layer_is_the_models_block_as_korthikanti_counts_it():
+    layer = TransformerLayer(H, A, dropout=0.2, recompute_attention=True, fused_dropout=True)
+    assert isinstance(layer, transformer.Block)
+    assert layer.config == transformer.GPTConfig(
+        d_model=H, heads=A, layers=1, dropout=0.2, fused_dropout=True, recompute="selective"
+    )
+    assert TransformerLayer(H, A, attention="sdpa").config.attention == "sdpa"

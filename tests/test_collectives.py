@@ -11,6 +11,7 @@ from trainscale.collectives import (
     ring_all_reduce,
     ring_all_reduce_trace,
     ring_bytes_per_rank,
+    ring_factor,
     ring_reduce_scatter,
 )
 
@@ -48,6 +49,28 @@ def test_traffic_is_2_n_minus_1_over_n_when_divisible(n, k):
     _, sent = ring_all_reduce(_inputs(n, length))
     assert sent == [2 * (n - 1) * length // n] * n
     assert sent[0] == ring_bytes_per_rank(length, n)
+
+
+def test_ring_factor_by_hand():
+    # 8 ranks: an all-reduce sends 2 x 7/8 = 1.75 tensors per rank, each half 7/8.
+    assert ring_factor(8) == 1.75
+    assert ring_factor(8, "reduce-scatter") == ring_factor(8, "all-gather") == 0.875
+    assert ring_factor(4) == 1.5 and ring_factor(2, "all-gather") == 0.5
+    assert ring_factor(1) == ring_factor(1, "reduce-scatter") == 0.0
+    for bad, name in (((0,), "ranks"), ((4, "broadcast"), "collective")):
+        with pytest.raises(ValueError, match=name):
+            ring_factor(*bad)
+
+
+@given(ranks, st.integers(0, 10))
+def test_ring_factor_is_what_the_simulated_ring_sends(n, k):
+    length = n * k  # divisible: every rank sends the same
+    _, reduced = ring_reduce_scatter(_inputs(n, length))
+    _, gathered = ring_all_gather(list(torch.tensor_split(torch.arange(length), n)))
+    _, all_reduced = ring_all_reduce(_inputs(n, length))
+    assert reduced == [pytest.approx(ring_factor(n, "reduce-scatter") * length)] * n
+    assert gathered == [pytest.approx(ring_factor(n, "all-gather") * length)] * n
+    assert all_reduced == [pytest.approx(ring_factor(n) * length)] * n
 
 
 @given(ranks, lengths)

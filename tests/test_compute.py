@@ -98,3 +98,17 @@ def test_step_timeline_on_one_gpu_has_no_all_reduce():
 def test_step_timeline_rejects_bad_overlap():
     with pytest.raises(ValueError, match="overlap"):
         step_timeline(1.0, 2.0, 0.5, 0.1, overlap=1.5)
+
+
+def test_flops_per_token_conventions_by_hand():
+    from trainscale.compute import flops_per_token
+
+    # Llama 3 405B: 126 layers, h = 16,384, s = 8,192; PaLM adds 12 L h s to 6N.
+    llama = (405e9, 126, 16384, 8192, 128000)
+    assert flops_per_token(*llama, "6n") == 2_430_000_000_000
+    assert flops_per_token(*llama, "palm") == 2_430_000_000_000 + 202_937_204_736
+    # Megatron 1T: 96 L h^2 (1 + s/(6h) + V/(16 L h)) = 96 x 128 x 25600^2 x 1.0143...
+    megatron = flops_per_token(1.008e12, 128, 25600, 2048, 51200, "megatron")
+    assert megatron == pytest.approx(8_053_063_680_000 * (1 + 2 / 150 + 1 / 1024), rel=1e-12)
+    with pytest.raises(ValueError, match="convention"):
+        flops_per_token(*llama, "hardware")

@@ -2,7 +2,12 @@
 the dynamic loss scaler against torch.amp.GradScaler."""
 
 import copy
+import hashlib
 import math
+import os
+import subprocess
+import sys
+from fractions import Fraction
 
 import pytest
 import torch
@@ -13,6 +18,7 @@ from trainscale import memory
 from trainscale.loss_scaling import (
     DynamicLossScaler,
     StepRecord,
+    fp16_forward,
     fp16_gradients,
     fp16_train_step,
     next_scale,
@@ -354,3 +360,91 @@ def test_fp16_gradients_underflow_without_a_scale_and_overflow_with_a_huge_one()
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
     with pytest.raises(ValueError, match="scale"):
         fp16_gradients(model, x, y, 0)
+
+
+# --- the fp16 emulation -------------------------------------------------------------------
+
+
+def test_fp16_linear_is_one_rounding_of_the_exact_sum_of_fp16_products():
+    """Hand-worked: in fp16, 0.7 -> 0x1.668p-1, 1/3 -> 0x1.554p-2, 0.1 -> 0x1.998p-4 and
+    0.2 -> 0x1.998p-3; 0x1.668p-1 * 0x1.554p-2 + 3 * 0x1.998p-4 + 0x1.998p-3 is
+    0.73321938..., above the midpoint 0.733154296875 of its two fp16 neighbours, so
+    the output is 0.7333984375."""
+    layer = torch.nn.Linear(2, 1)
+    with torch.no_grad():
+        layer.weight.copy_(torch.tensor([[1 / 3, 0.1]]))
+        layer.bias.copy_(torch.tensor([0.2]))
+    output = fp16_forward(layer, torch.tensor([[0.7, 3.0]])).detach()
+    as16 = [Fraction(float.fromhex(h)) for h in ("0x1.668p-1", "0x1.554p-2", "0x1.998p-4")]
+    exact = as16[0] * as16[1] + 3 * as16[2] + Fraction(float.fromhex("0x1.998p-3"))
+    assert float(exact) == pytest.approx(0.7332193851)
+    assert output.dtype == torch.float16
+    assert float(output) == 0.7333984375 == float(torch.tensor(float(exact)).half())
+
+
+def test_fp16_gelu_is_float64_gelu_rounded_once():
+    h = torch.tensor([-3.0, -0.5, 1e-3, 0.1, 2.0]).half()
+    expected = [0.5 * v * (1 + math.erf(v / math.sqrt(2))) for v in h.double().tolist()]
+    out = fp16_forward(torch.nn.GELU(), h)
+    assert out.dtype == torch.float16
+    assert out.tolist() == torch.tensor(expected, dtype=torch.float64).half().tolist()
+
+
+def test_fp16_gradients_hold_fp16_values_and_match_autocast_closely():
+    """Every weight gradient is an fp32 number that fp16 holds exactly; on this CPU,
+    torch.autocast's fp16 kernels give the same zeros, mostly the same bits, and
+    elsewhere differ by fp16 rounding noise."""
+    model = memory.mlp_stack(width=16, blocks=6, seed=0)
+    gen = torch.Generator().manual_seed(0)
+    x, y = (torch.randn(8, 16, generator=gen, dtype=torch.float64).float() for _ in range(2))
+    emulated = fp16_gradients(model, x, y, 2.0**8)
+    with torch.autocast("cpu", dtype=torch.float16):
+        output = model(x)
+    loss = torch.nn.functional.mse_loss(output.float(), y) * 2.0**8
+    autocast = torch.autograd.grad(loss, list(model.parameters()))
+    equal = 0
+    for grad, reference in zip(emulated.values(), autocast, strict=True):
+        assert grad.dtype == torch.float32
+        assert torch.equal(grad.half().float(), grad)
+        assert torch.equal(grad == 0, reference == 0)
+        # fp16 rounding noise: small against the layer's largest gradient, or a few
+        # steps of 2**-24 where the gradients are fp16 subnormals
+        noise = max(2**-8 * float(reference.abs().max()), 4 * 2**-24)
+        assert float((grad - reference).abs().max()) <= noise
+        equal += int((grad == reference).sum())
+    assert equal / sum(g.numel() for g in autocast) > 0.95
+
+
+def test_fp16_forward_names_unsupported_layers():
+    with pytest.raises(ValueError, match="model must be built of"):
+        fp16_forward(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU()), torch.ones(1, 2))
+
+
+_HASH_GRADIENTS = """
+import hashlib, torch
+from trainscale import memory
+from trainscale.loss_scaling import fp16_gradients
+gen = torch.Generator().manual_seed(0)
+x, y = (torch.randn(32, 32, generator=gen, dtype=torch.float64).float() for _ in range(2))
+for scale in (1.0, 2.0**16):
+    grads = fp16_gradients(memory.mlp_stack(width=32, blocks=8, seed=0), x, y, scale)
+    flat = torch.cat([g.flatten() for g in grads.values()])
+    print(hashlib.sha256(flat.numpy().tobytes()).hexdigest())
+"""
+
+
+@pytest.mark.slow  # a second Python process on another kernel path
+def test_fp16_gradients_are_the_same_bits_with_another_cpu_kernel_path():
+    """Torch's and MKL's kernels forced to another instruction set, as on another CPU."""
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"}
+    other = subprocess.run(
+        [sys.executable, "-c", _HASH_GRADIENTS], env=env, capture_output=True, text=True, check=True
+    ).stdout.split()
+    gen = torch.Generator().manual_seed(0)
+    x, y = (torch.randn(32, 32, generator=gen, dtype=torch.float64).float() for _ in range(2))
+    here = []
+    for scale in (1.0, 2.0**16):
+        grads = fp16_gradients(memory.mlp_stack(width=32, blocks=8, seed=0), x, y, scale)
+        flat = torch.cat([g.flatten() for g in grads.values()])
+        here.append(hashlib.sha256(flat.numpy().tobytes()).hexdigest())
+    assert other == here

@@ -1,7 +1,9 @@
 """memory: the 16 bytes, ZeRO shards and measured activations."""
 
 import math
+from fractions import Fraction
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -11,9 +13,11 @@ from trainscale.memory import (
     BYTES_PER_PARAM,
     GIB,
     OPTIMIZER_STATE,
+    STATE_GROUPS,
     mlp_stack,
     model_state_bytes,
     model_state_gib,
+    model_state_groups,
     model_state_parts,
     saved_activation_bytes,
 )
@@ -50,6 +54,34 @@ def test_sharded_parts_use_the_largest_shard(params, gpus, stage):
     assert parts["Adam variance"] == 4 * (shard if stage >= 1 else params)
     # Shards cover every parameter, and no GPU holds more than one padded shard.
     assert shard * gpus >= params and (shard - 1) * gpus < max(params, 1)
+
+
+def test_model_state_groups_by_hand():
+    # 7B on 8 GPUs: 2 + 2 + 12 bytes per parameter, then ZeRO divides by 8 stage by stage.
+    assert model_state_groups(7e9) == {
+        "weights": 14 * 10**9,
+        "gradients": 14 * 10**9,
+        "optimiser state": 84 * 10**9,
+    }
+    assert model_state_groups(7e9, 8, 1) == {
+        "weights": 14 * 10**9,
+        "gradients": 14 * 10**9,
+        "optimiser state": 10_500_000_000,
+    }
+    assert model_state_groups(7e9, 8, 3) == {
+        "weights": 1_750_000_000,
+        "gradients": 1_750_000_000,
+        "optimiser state": 10_500_000_000,
+    }
+    assert tuple(model_state_groups(1)) == STATE_GROUPS
+    assert model_state_groups(1)["optimiser state"] == 12  # bytes per parameter
+
+
+@given(st.integers(0, 10**13), st.integers(1, 10_000), st.sampled_from([0, 1, 2, 3]))
+def test_groups_add_up_to_the_state(params, gpus, stage):
+    assert sum(model_state_groups(params, gpus, stage).values()) == model_state_bytes(
+        params, gpus, stage
+    )
 
 
 @given(st.integers(0, 10**13), st.integers(1, 10_000))
@@ -108,6 +140,22 @@ def test_mlp_stack_is_seeded_and_leaves_global_rng_alone():
     b = mlp_stack(width=8, blocks=2, seed=5)
     assert torch.equal(before, after)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+
+
+def test_mlp_stack_weights_are_rounded_once_as_on_an_fma_cpu():
+    """U(-b, b) is u * 2b - b; rounded once (as a fused multiply-add does) on every CPU.
+
+    Hand-worked: the first draw after seed 0 is u = 0x1.fc2abp-2; a first
+    layer of width 8 has b = fp32(1/sqrt(8)) = 0x1.6a09e6p-2. Rounded once,
+    u * 2b - b is -0x1.5af244p-9; rounded twice (product, then sum) it would be
+    -0.0026469826698303223.
+    """
+    u, bound = float.fromhex("0x1.fc2abp-2"), float.fromhex("0x1.6a09e6p-2")
+    once = float(np.float32(float(Fraction(u) * 2 * Fraction(bound) - Fraction(bound))))
+    assert once == float.fromhex("-0x1.5af244p-9")
+    first = mlp_stack(width=8, blocks=1, seed=0)[0][0].weight.detach()
+    assert float(first[0, 0]) == once != -0.0026469826698303223
+    assert float(first.abs().max()) <= bound
 
 
 def test_mlp_stack_rejects_zero_blocks():

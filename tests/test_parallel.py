@@ -1,19 +1,26 @@
 """parallel: every simulated parallelism equals the single-device computation."""
 
+import math
+
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
+from trainscale.collectives import ring_bytes_per_rank
 from trainscale.memory import mlp_stack
 from trainscale.parallel import (
     accumulated_gradient,
+    attention_by_heads,
     checkpointed_gradient,
     data_parallel_gradient,
+    first_matrix_by_rows_mlp,
     full_batch_gradient,
-    pipeline_bubble,
+    multi_head_attention,
     tensor_parallel_mlp,
+    tensor_parallel_shapes,
+    tensor_parallel_traffic,
 )
 
 loss = nn.functional.mse_loss
@@ -90,21 +97,148 @@ def test_tensor_parallel_rejects_shapes_that_do_not_chain():
         tensor_parallel_mlp(torch.zeros(2, 3), torch.zeros(4, 5), torch.zeros(5, 3), 2)
 
 
-def test_gpipe_bubbles():
-    assert pipeline_bubble(4, 4) == pytest.approx(3 / 7)
-    assert pipeline_bubble(4, 12) == pytest.approx(0.2)
-    assert pipeline_bubble(1, 1) == 0.0
-    assert pipeline_bubble(8, 29) < 0.2 <= pipeline_bubble(8, 28)
+def _mlp_data(seed: int, batch: int = 5, d: int = 8, h: int = 32):
+    g = torch.Generator().manual_seed(seed)
+    return (
+        torch.randn(batch, d, generator=g),
+        torch.randn(d, h, generator=g) / d**0.5,
+        torch.randn(h, d, generator=g) / h**0.5,
+    )
 
 
-@given(st.integers(1, 10**6), st.integers(1, 10**6))
-def test_bubble_is_a_share_and_shrinks_with_micro_batches(stages, micro):
-    bubble = pipeline_bubble(stages, micro)
-    assert 0.0 <= bubble < 1.0
-    assert pipeline_bubble(stages, micro + 1) <= bubble
+def _unsplit(x, w1, w2):
+    return nn.functional.gelu(x @ w1) @ w2
 
 
-@pytest.mark.parametrize(("args", "name"), [((0, 4), "stages"), ((4, 0), "micro_batches")])
-def test_bubble_names_bad_arguments(args, name):
+# --- The wrong split -------------------------------------------------------------------
+
+
+@given(st.integers(1, 8), st.integers(0, 1000))
+def test_rows_first_is_right_only_with_a_sum_before_gelu(shards, seed):
+    x, w1, w2 = _mlp_data(seed)
+    copies = [t.clone() for t in (x, w1, w2)]
+    expected = _unsplit(x, w1, w2)
+    assert torch.allclose(first_matrix_by_rows_mlp(x, w1, w2, shards, True), expected, atol=1e-5)
+    wrong = first_matrix_by_rows_mlp(x, w1, w2, shards, False)
+    if shards == 1:
+        assert torch.allclose(wrong, expected, atol=1e-6)
+    else:
+        assert (wrong - expected).abs().max() > 1e-2
+    assert all(torch.equal(a, b) for a, b in zip((x, w1, w2), copies, strict=True))
+
+
+def test_gelu_of_a_sum_is_not_the_sum_of_gelus():
+    a, b = torch.tensor(1.0), torch.tensor(-1.0)
+    gelu = nn.functional.gelu
+    assert gelu(a + b) == 0
+    # gelu(x) = x * Phi(x): gelu(1) + gelu(-1) = Phi(1) - Phi(-1) = erf(1 / sqrt(2))
+    assert gelu(a) + gelu(b) == pytest.approx(math.erf(2**-0.5), abs=1e-6)
+
+
+def test_wrong_split_names_bad_arguments():
+    x, w1, w2 = _mlp_data(0)
+    with pytest.raises(ValueError, match="sync_before_gelu"):
+        first_matrix_by_rows_mlp(x, w1, w2, 2, 1)
+    with pytest.raises(ValueError, match="shards"):
+        first_matrix_by_rows_mlp(x, w1, w2, 0, True)
+    with pytest.raises(ValueError, match="shapes"):
+        first_matrix_by_rows_mlp(x, w1.T, w2, 2, True)
+
+
+# --- Shapes and traffic ----------------------------------------------------------------
+
+
+def test_shapes_of_a_four_way_split():
+    shapes = tensor_parallel_shapes(4096, 4096, 16384, 4)
+    assert len(shapes) == 4
+    assert shapes[0] == {
+        "input": (4096, 4096),
+        "first matrix": (4096, 4096),
+        "hidden slice": (4096, 4096),
+        "second matrix": (4096, 4096),
+        "partial output": (4096, 4096),
+    }
+
+
+@given(st.integers(1, 500), st.integers(1, 64))
+def test_shapes_split_the_hidden_layer_like_the_simulation(ffn, shards):
+    if shards > ffn:
+        with pytest.raises(ValueError, match="shards"):
+            tensor_parallel_shapes(3, 4, ffn, shards)
+        return
+    shapes = tensor_parallel_shapes(3, 4, ffn, shards)
+    widths = [s["hidden slice"][1] for s in shapes]
+    blocks = torch.tensor_split(torch.empty(4, ffn), shards, dim=1)
+    assert widths == [b.shape[1] for b in blocks]
+    assert sum(widths) == ffn
+
+
+def test_traffic_per_layer_is_four_all_reduces_of_the_activations():
+    traffic = tensor_parallel_traffic(4096, 4096, 8)
+    assert len(traffic) == 4
+    one = 2 * 7 / 8 * 4096 * 4096 * 2
+    assert one == 58_720_256
+    assert set(traffic.values()) == {one}
+    assert set(tensor_parallel_traffic(4096, 4096, 1).values()) == {0}
+
+
+@given(st.integers(1, 10**5), st.integers(1, 10**4), st.integers(1, 512))
+def test_traffic_matches_the_ring(tokens, hidden, shards):
+    traffic = tensor_parallel_traffic(tokens, hidden, shards, bytes_per_value=4)
+    assert sum(traffic.values()) == pytest.approx(
+        4 * ring_bytes_per_rank(4 * tokens * hidden, shards)
+    )
+
+
+@pytest.mark.parametrize(
+    ("call", "name"),
+    [
+        (lambda: tensor_parallel_traffic(0, 8, 2), "tokens"),
+        (lambda: tensor_parallel_traffic(8, 8, 0), "shards"),
+        (lambda: tensor_parallel_shapes(8, 0, 8, 2), "hidden"),
+        (lambda: tensor_parallel_shapes(8, 8, 8, 9), "shards"),
+    ],
+)
+def test_shape_and_traffic_functions_name_bad_arguments(call, name):
     with pytest.raises(ValueError, match=name):
-        pipeline_bubble(*args)
+        call()
+
+
+# --- Attention by heads ----------------------------------------------------------------
+
+
+def _attention_data(seed: int, d: int = 16, shape=(2, 5)):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, d, generator=g)
+    return x, [torch.randn(d, d, generator=g) / d**0.5 for _ in range(4)]
+
+
+def test_attention_matches_pytorch_multihead_attention():
+    x, (wq, wk, wv, wo) = _attention_data(0)
+    reference = nn.MultiheadAttention(16, 4, bias=False, batch_first=True)
+    with torch.no_grad():
+        reference.in_proj_weight.copy_(torch.cat([wq.T, wk.T, wv.T]))
+        reference.out_proj.weight.copy_(wo.T)
+    expected = reference(x, x, x, need_weights=False)[0]
+    assert torch.allclose(multi_head_attention(x, wq, wk, wv, wo, 4), expected, atol=1e-6)
+
+
+@given(st.sampled_from([1, 2, 4, 8, 16]), st.integers(1, 16), st.integers(0, 100))
+def test_attention_split_by_heads_equals_unsplit(heads, shards, seed):
+    x, weights = _attention_data(seed)
+    copies = [w.clone() for w in weights]
+    if shards > heads:
+        with pytest.raises(ValueError, match="shards"):
+            attention_by_heads(x, *weights, heads, shards)
+        return
+    expected = multi_head_attention(x, *weights, heads)
+    assert torch.allclose(attention_by_heads(x, *weights, heads, shards), expected, atol=1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(weights, copies, strict=True))
+
+
+def test_attention_names_bad_arguments():
+    x, weights = _attention_data(0)
+    with pytest.raises(ValueError, match="heads"):
+        multi_head_attention(x, *weights, 3)
+    with pytest.raises(ValueError, match="wo"):
+        multi_head_attention(x, *weights[:3], torch.zeros(16, 8), 4)

@@ -8,14 +8,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trainscale.figures import bubble_curves, pipeline_timelines, svg_text
-from trainscale.parallel import pipeline_bubble
 from trainscale.pipeline import (
     BACKWARD,
     FORWARD,
     Op,
     Timeline,
-    interleaved_bubble,
+    bubble,
     micro_batches_for_bubble,
     simulate,
 )
@@ -52,7 +50,7 @@ def test_two_stage_gpipe_by_hand():
     )
     assert timeline.makespan == 9 == (2 + 2 - 1) * 3
     assert timeline.busy == (6, 6) and timeline.idle == (3, 3)
-    assert timeline.bubble == 6 / 18 == pipeline_bubble(2, 2)
+    assert timeline.bubble == 6 / 18 == bubble(2, 2)
     assert timeline.peak_activations == (2, 2)
 
 
@@ -77,14 +75,14 @@ def test_two_stage_1f1b_by_hand():
 
 def test_book_numbers_four_stages():
     # 4 stages: 4 micro-batches leave 3/7 of the step idle, 12 leave 3/15 = 20 %.
-    for m, bubble in [(4, 3 / 7), (12, 3 / 15)]:
+    for m, share in [(4, 3 / 7), (12, 3 / 15)]:
         gpipe, one_f_one_b = simulate("gpipe", 4, m), simulate("1f1b", 4, m)
-        assert gpipe.bubble == pytest.approx(bubble, abs=1e-12)
-        assert one_f_one_b.bubble == pytest.approx(bubble, abs=1e-12)
+        assert gpipe.bubble == pytest.approx(share, abs=1e-12)
+        assert one_f_one_b.bubble == pytest.approx(share, abs=1e-12)
         assert gpipe.makespan == (m + 3) * 3  # slots of forward + backward, f = 1, b = 2
         assert gpipe.peak_activations == (m, m, m, m)
         assert one_f_one_b.peak_activations == (4, 3, 2, 1)
-    assert pipeline_bubble(4, 12) == 0.2
+    assert bubble(4, 12) == 0.2
 
 
 def test_gpipe_first_stage_waits_for_the_last():
@@ -101,7 +99,7 @@ def test_backward_defaults_to_twice_forward():
 
 def test_quiz_answer_eight_stages_under_twenty_percent():
     assert micro_batches_for_bubble(8, 0.2) == 29
-    assert pipeline_bubble(8, 29) < 0.2 <= pipeline_bubble(8, 28)
+    assert bubble(8, 29) < 0.2 <= bubble(8, 28)
     assert micro_batches_for_bubble(4, 0.2) == 13
     assert micro_batches_for_bubble(1, 0.01) == 1
     assert micro_batches_for_bubble(5, 1.0) == 1
@@ -109,8 +107,8 @@ def test_quiz_answer_eight_stages_under_twenty_percent():
 
 def test_gpipe_rule_of_four_micro_batches_per_stage():
     # M = 4K gives (K - 1) / (5K - 1): 3/19 for 4 stages, approaching 1/5 for deep pipelines.
-    assert pipeline_bubble(4, 16) == pytest.approx(3 / 19)
-    assert all(pipeline_bubble(k, 4 * k) < 0.2 for k in range(1, 200))
+    assert bubble(4, 16) == pytest.approx(3 / 19)
+    assert all(bubble(k, 4 * k) < 0.2 for k in range(1, 200))
 
 
 # --- the formula, for any stages, micro-batches and times -------------------------------
@@ -119,7 +117,7 @@ def test_gpipe_rule_of_four_micro_batches_per_stage():
 @given(stages, micro_batches, times, times)
 def test_gpipe_and_1f1b_bubble_is_the_formula_for_any_times(k, m, f, b):
     gpipe, one_f_one_b = simulate("gpipe", k, m, f, b), simulate("1f1b", k, m, f, b)
-    formula = pipeline_bubble(k, m)
+    formula = bubble(k, m)
     assert gpipe.bubble == pytest.approx(formula, abs=1e-9)
     assert one_f_one_b.bubble == pytest.approx(formula, abs=1e-9)
     assert gpipe.makespan == pytest.approx((m + k - 1) * (f + b), rel=1e-9)
@@ -186,17 +184,29 @@ def test_edges():
 def test_interleaved_bubble_is_divided_by_the_chunks(k, groups, v):
     m = k * groups
     timeline = simulate("interleaved", k, m, 1.0, 2.0, chunks=v)
-    assert timeline.bubble == pytest.approx(interleaved_bubble(k, m, v), abs=1e-9)
-    assert timeline.bubble <= pipeline_bubble(k, m) + 1e-12
+    assert timeline.bubble == pytest.approx(bubble(k, m, v), abs=1e-9)
+    assert timeline.bubble <= bubble(k, m) + 1e-12
     assert {op.chunk for ops in timeline.ops for op in ops} == set(range(v))
     assert all(len(ops) == 2 * m * v for ops in timeline.ops)
     if m >= 2 * k:  # Megatron's warm-up: the first device holds K + (K - 1) / v micro-batches
         assert timeline.peak_activations[0] == pytest.approx(k + (k - 1) / v)
 
 
-def test_interleaved_bubble_formula():
-    assert interleaved_bubble(4, 8, 1) == pipeline_bubble(4, 8)
-    assert interleaved_bubble(4, 8, 2) == 3 / 19
+def test_bubble_formula_by_hand():
+    # (p - 1) / (v m + p - 1): GPipe and 1F1B with v = 1, Megatron's interleaving with v > 1.
+    assert bubble(4, 4) == 3 / 7
+    assert bubble(4, 12) == 3 / 15 == 0.2
+    assert bubble(1, 1) == 0.0
+    assert bubble(4, 8, 1) == 3 / 11
+    assert bubble(4, 8, virtual_stages=2) == 3 / 19
+    assert bubble(8, 64, 4) == 7 / 263
+
+
+@given(st.integers(1, 10**6), st.integers(1, 10**6), st.integers(1, 8))
+def test_bubble_is_a_share_and_shrinks_with_micro_batches_and_chunks(p, m, v):
+    share = bubble(p, m, v)
+    assert 0.0 <= share < 1.0
+    assert bubble(p, m + 1, v) <= share and bubble(p, m, v + 1) <= share
 
 
 # --- bad arguments ----------------------------------------------------------------------
@@ -234,15 +244,16 @@ def test_bad_arguments_of_the_formulas():
         micro_batches_for_bubble(4, 1.5)
     with pytest.raises(ValueError, match="stages"):
         micro_batches_for_bubble(0, 0.2)
-    with pytest.raises(ValueError, match="chunks"):
-        interleaved_bubble(4, 8, 0)
+    for args, name in (((0, 4), "stages"), ((4, 0), "micro_batches"), ((4, 8, 0), "virtual")):
+        with pytest.raises(ValueError, match=name):
+            bubble(*args)
 
 
 @given(st.integers(1, 64), st.floats(1e-4, 1.0))
 def test_fewest_micro_batches_is_the_fewest(k, target):
     m = micro_batches_for_bubble(k, target)
-    assert pipeline_bubble(k, m) < target
-    assert m == 1 or pipeline_bubble(k, m - 1) >= target
+    assert bubble(k, m) < target
+    assert m == 1 or bubble(k, m - 1) >= target
 
 
 def test_timelines_are_immutable():
@@ -250,26 +261,3 @@ def test_timelines_are_immutable():
     with pytest.raises(dataclasses.FrozenInstanceError):
         timeline.stages = 3
     assert isinstance(timeline.ops, tuple) and isinstance(timeline.ops[0], tuple)
-
-
-# --- figures -------------------------------------------------------------------------
-
-
-def test_timeline_figure_has_one_panel_per_timeline_and_is_reproducible():
-    timelines = [simulate("gpipe", 4, 4), simulate("1f1b", 4, 4)]
-    fig = pipeline_timelines(timelines)
-    assert len(fig.axes) == 2
-    assert "bubble 43%" in fig.axes[0].get_title(loc="left")
-    assert svg_text(fig) == svg_text(pipeline_timelines(timelines))
-    interleaved = pipeline_timelines([simulate("interleaved", 2, 4, chunks=2)], end=40)
-    assert interleaved.axes[0].get_xlim()[1] == pytest.approx(40.4)
-    with pytest.raises(ValueError, match="titles"):
-        pipeline_timelines(timelines, titles=["one"])
-    with pytest.raises(ValueError, match="timelines"):
-        pipeline_timelines([])
-
-
-def test_bubble_curves_draw_every_curve_and_mark():
-    curves = {k: ([1, 2, 4], [pipeline_bubble(k, m) for m in (1, 2, 4)]) for k in (2, 4)}
-    fig = bubble_curves(curves, marks={2: (8, pipeline_bubble(2, 8))}, threshold=0.2)
-    assert len(fig.axes[0].lines) == 4  # two curves, one mark, the threshold

@@ -1,4 +1,5 @@
-"""transformer: a tiny GPT, its exact parameter count and the FLOPs it really runs."""
+"""transformer: the book's one GPT, its attention, its exact parameter count and the
+FLOPs it really runs."""
 
 import pytest
 import torch
@@ -6,11 +7,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch.utils.flop_counter import FlopCounterMode
 
-from trainscale import figures
+from trainscale import memory
 from trainscale.compute import attention_training_flops, training_budget, training_flops
-from trainscale.figures.style import svg_text
 from trainscale.transformer import (
+    GPT,
     GPTConfig,
+    attend,
+    causal_mask,
     gpt,
     matmul_weights,
     non_embedding_params,
@@ -65,8 +68,91 @@ def test_parameter_counts_match_for_any_shape(vocab, context, head_width, heads,
     assert sum(p.numel() for p in model.parameters()) == sum(parameter_counts(config).values())
 
 
-def test_attention_is_causal():
-    model = gpt(SMALL, seed=1)
+def test_the_capstones_untied_model_by_hand():
+    # width 64, 2 blocks. Matrices per block: qkv 3 x 64^2 + proj 64^2 + MLP 4 x 64^2
+    # + 4 x 64^2 = 49,152; head 64 x 64 = 4,096. Biases 3 x 64 + 64 + 256 + 64 = 576
+    # and two LayerNorms 256 per block, final LayerNorm 128; tables (64 + 32) x 64 = 6,144.
+    config = GPTConfig(vocab=64, context=32, d_model=64, layers=2, heads=4, tied=False)
+    assert matmul_weights(config) == 2 * 49_152 + 4_096 == 102_400
+    assert sum(parameter_counts(config).values()) == 102_400 + 2 * (576 + 256) + 128 + 6_144
+    model = gpt(config)
+    assert sum(p.numel() for p in model.parameters()) == 110_336
+    tables = ("token_embedding.weight", "position_embedding.weight")
+    matrices = [p for n, p in model.named_parameters() if p.ndim == 2 and n not in tables]
+    assert matmul_weights(config) == sum(p.numel() for p in matrices)
+
+
+# --- attention ---------------------------------------------------------------------------
+
+
+def test_causal_mask_by_hand():
+    inf = float("inf")
+    expected = torch.tensor([[0.0, -inf, -inf], [0.0, 0.0, -inf], [0.0, 0.0, 0.0]])
+    assert torch.equal(causal_mask(3, torch.float32), expected)
+
+
+@pytest.mark.parametrize("kind", ["naive", "sdpa"])
+def test_equal_scores_average_the_values_a_token_may_see(kind):
+    # q = 0 makes every score 0: token t weighs tokens 0..t equally (or all 4 without a mask).
+    v = torch.arange(8.0).view(1, 1, 4, 2)  # rows (0, 1), (2, 3), (4, 5), (6, 7)
+    q = k = torch.zeros(1, 1, 4, 2)
+    causal = [[0.0, 1.0], [1.0, 2.0], [2.0, 3.0], [3.0, 4.0]]
+    assert attend(q, k, v, kind=kind)[0, 0].tolist() == causal
+    assert attend(q, k, v, kind=kind, causal=False)[0, 0].tolist() == [[3.0, 4.0]] * 4
+
+
+@given(st.integers(0, 50), st.booleans())
+def test_naive_and_fused_attention_agree(seed, causal):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(2, 3, 7, 4, generator=g) for _ in range(3))
+    naive = attend(q, k, v, causal=causal, kind="naive")
+    fused = attend(q, k, v, causal=causal, kind="sdpa")
+    assert torch.allclose(naive, fused, atol=1e-6)
+
+
+def test_dropout_acts_in_training_mode_only():
+    model = gpt(GPTConfig(**(SMALL.__dict__ | {"dropout": 0.5})))
+    tokens = torch.randint(SMALL.vocab, (2, SMALL.context))
+    with torch.no_grad():
+        model.eval()
+        assert torch.equal(model(tokens), model(tokens))
+        plain = gpt(SMALL)  # the same weights: the seed, not the dropout, draws them
+        plain.eval()
+        assert torch.equal(model(tokens), plain(tokens))
+        model.train()
+        assert not torch.equal(model(tokens), model(tokens))
+
+
+@pytest.mark.parametrize("attention", ["naive", "sdpa"])
+def test_full_recomputation_changes_nothing_but_memory(attention):
+    tokens = torch.randint(SMALL.vocab, (4, SMALL.context))
+    grads, saved = [], []
+    for recompute in ("none", "full"):
+        config = GPTConfig(**(SMALL.__dict__ | {"attention": attention, "recompute": recompute}))
+        model = gpt(config)
+        loss = model(tokens).logsumexp(-1).mean()
+        grads.append(torch.autograd.grad(loss, list(model.parameters())))
+        saved.append(memory.saved_activation_bytes(model, tokens))
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+    assert saved[1] < saved[0]
+
+
+def test_selective_recomputation_changes_nothing_but_memory():
+    tokens = torch.randint(SMALL.vocab, (4, SMALL.context))
+    grads, saved = [], []
+    for recompute in ("none", "selective"):
+        model = gpt(GPTConfig(**(SMALL.__dict__ | {"recompute": recompute})))
+        loss = model(tokens).logsumexp(-1).mean()
+        grads.append(torch.autograd.grad(loss, list(model.parameters())))
+        saved.append(memory.saved_activation_bytes(model, tokens))
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+    # Each layer no longer keeps its softmax output: heads x context^2 floats per sequence.
+    assert saved[0] - saved[1] == SMALL.layers * 4 * SMALL.heads * SMALL.context**2 * 4
+
+
+@pytest.mark.parametrize("attention", ["naive", "sdpa"])
+def test_attention_is_causal(attention):
+    model = gpt(GPTConfig(**(SMALL.__dict__ | {"attention": attention})), seed=1)
     tokens = torch.randint(SMALL.vocab, (2, SMALL.context))
     changed = tokens.clone()
     changed[:, 10:] = (changed[:, 10:] + 1) % SMALL.vocab  # rewrite the future
@@ -87,6 +173,17 @@ def test_same_seed_same_model_and_global_random_state_untouched():
     assert not torch.equal(
         gpt(SMALL, seed=6).blocks[0].mlp[0].weight, first.blocks[0].mlp[0].weight
     )
+
+
+def test_float64_weights_are_drawn_in_float64():
+    model = gpt(SMALL, seed=5, dtype=torch.float64)
+    weights = list(model.parameters())
+    assert all(p.dtype == torch.float64 for p in weights)
+    assert model.head.weight is model.token_embedding.weight  # still tied
+    assert not torch.equal(weights[0], weights[0].float().double())  # not fp32 values
+    assert model.blocks[0].mlp[0].weight.std().item() == pytest.approx(0.02, rel=0.05)
+    with pytest.raises(ValueError, match="dtype"):
+        gpt(SMALL, dtype=torch.float16)
 
 
 def test_initialisation_is_gpt2s():
@@ -129,6 +226,8 @@ def test_sequences_shorter_than_the_context_work_and_longer_ones_do_not():
     assert model(torch.zeros(1, 5, dtype=torch.long)).shape == (1, 5, SMALL.vocab)
     with pytest.raises(ValueError, match="context"):
         model(torch.zeros(1, SMALL.context + 1, dtype=torch.long))
+    with pytest.raises(ValueError, match="tokens must hold 1 to context"):
+        model(torch.zeros(1, 0, dtype=torch.long))
 
 
 @pytest.mark.parametrize(
@@ -141,6 +240,12 @@ def test_sequences_shorter_than_the_context_work_and_longer_ones_do_not():
         ({"d_ff": -4}, "d_ff"),
         ({"heads": 1.5}, "heads"),
         ({"tied": 1}, "tied"),
+        ({"attention": "flash"}, "attention"),
+        ({"dropout": 1.0}, "dropout"),
+        ({"dropout": -0.1}, "dropout"),
+        ({"fused_dropout": 0}, "fused_dropout"),
+        ({"recompute": "some"}, "recompute"),
+        ({"attention": "sdpa", "recompute": "selective"}, "recompute='selective'"),
     ],
 )
 def test_config_names_the_bad_argument(kwargs, name):
@@ -149,9 +254,11 @@ def test_config_names_the_bad_argument(kwargs, name):
 
 
 def test_functions_reject_something_that_is_not_a_config():
-    for function in (gpt, parameter_counts, non_embedding_params, matmul_weights):
+    for function in (gpt, parameter_counts, non_embedding_params, matmul_weights, GPT):
         with pytest.raises(ValueError, match="config"):
             function({"d_model": 8})
+    with pytest.raises(ValueError, match="kind"):
+        attend(*torch.zeros(3, 1, 2, 2), kind="flash")
 
 
 # --- chapter 11's additions to trainscale.compute ----------------------------------------
@@ -228,26 +335,3 @@ def test_attention_term_names_the_bad_argument():
         args = {"layers": 1, "context": 1, "d_attn": 1, "tokens": 1} | kwargs
         with pytest.raises(ValueError, match=name):
             attention_training_flops(**args)
-
-
-# --- chapter 11's figures (trainscale.figures.compute) -------------------------------------
-
-
-def test_flop_breakdown_stacks_the_parts_next_to_the_count():
-    fig = figures.flop_breakdown({"a": 2e9, "b": 1e9}, 3e9, "flops")
-    widths = [round(p.get_width(), 6) for p in fig.axes[0].patches]
-    assert widths == [2.0, 1.0, 3.0]  # GFLOP: two parts, then the counted bar
-
-
-def test_attention_share_plots_percentages():
-    fig = figures.attention_share([1024, 2048], {"w": [0.1, 0.2]}, "share")
-    assert list(fig.axes[0].lines[0].get_ydata()) == [10.0, 20.0]
-
-
-def test_budget_table_shows_the_cells_it_is_given():
-    fig = figures.budget_table(("a", "b"), [("1", "2")], "table", note="assumed")
-    cells = fig.axes[0].tables[0].get_celld().values()
-    assert sorted(cell.get_text().get_text() for cell in cells) == ["1", "2", "a", "b"]
-    assert [t.get_text() for t in fig.texts] == ["assumed"]
-    again = figures.budget_table(("a", "b"), [("1", "2")], "table", note="assumed")
-    assert svg_text(fig) == svg_text(again)

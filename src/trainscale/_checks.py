@@ -57,3 +57,20 @@ def choice(name: str, value: object, allowed: tuple[object, ...]) -> object:
     if isinstance(value, bool) or value not in allowed:
         raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
     return value
+
+
+def boolean(name: str, value: object) -> bool:
+    """Return ``value`` if it is ``True`` or ``False`` (not ``0``, ``1`` or ``None``)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def non_negative(name: str, value: object) -> float:
+    """Return ``value`` as a finite ``float`` ``>= 0``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    number = float(value)
+    if not math.isfinite(number) or number < 0:
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    return number

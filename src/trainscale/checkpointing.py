@@ -1,6 +1,6 @@
 """Activation checkpointing: memory traded for recomputation (chapter 09).
 
-Three parts:
+Four parts:
 
 - a model of a checkpointed stack of identical blocks, in bytes:
   :func:`segment_memory` (what is stored, and the peak while backward
@@ -8,23 +8,27 @@ Three parts:
   whole step), from two measured sizes per block;
 - :func:`step_flops`, the matrix-product FLOPs of forward and backward with
   and without checkpointing, counted by ``FlopCounterMode``;
-- :class:`TransformerLayer`, a minimal pre-LN transformer layer, with
+- :class:`TransformerLayer`, the book's transformer block as chapter 09 measures it, with
   :func:`saved_by_op` to list what autograd keeps for it, set beside
-  Korthikanti et al.'s estimate :func:`korthikanti_bytes` (arXiv 2205.05198).
+  Korthikanti et al.'s estimate :func:`korthikanti_bytes` (arXiv 2205.05198);
+- Korthikanti et al.'s table of what a layer keeps (:data:`ACTIVATION_PARTS`),
+  with tensor and sequence parallelism and the recomputation modes
+  (:func:`layer_activation_bytes`, :data:`RECOMPUTE`), and the FLOPs selective
+  recomputation adds (:func:`selective_recompute_flops`), which chapter 13's
+  planner composes.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
-from torch.nn import functional as F
-from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
-from trainscale import _checks
+from trainscale import _checks, transformer
 from trainscale.memory import run_checkpointed
 
 # --- a checkpointed stack of blocks, modelled -------------------------------------------
@@ -175,51 +179,21 @@ def step_flops(model: nn.Module, x: torch.Tensor, segment: int | None = None) ->
 # --- one transformer layer --------------------------------------------------------------
 
 
-def attention_core(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    dropout: float,
-    training: bool,
-    fused_dropout: bool = False,
-) -> torch.Tensor:
-    """Naive attention: ``dropout(softmax(q k^T / sqrt(d))) v`` over (batch, heads, seq, d).
+class TransformerLayer(transformer.Block):
+    """One block of :mod:`trainscale.transformer`, set up as Korthikanti et al. count it.
 
-    Written out so that autograd saves what the textbook formula implies: the
-    softmax output and, after dropout, its mask and the dropped-out
-    probabilities, each ``batch x heads x seq x seq``.
-    """
-    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
-    return _dropout(scores.softmax(dim=-1), dropout, training, fused_dropout) @ v
-
-
-def _dropout(x: torch.Tensor, p: float, training: bool, fused: bool) -> torch.Tensor:
-    """Dropout as ``F.dropout`` runs it on this device, or as the fused kernel does.
-
-    On the CPU ``F.dropout`` multiplies by a mask of the input's own dtype and
-    autograd saves that mask (2 bytes per element in bf16). On a GPU it calls
-    ``torch.native_dropout``, whose saved mask is a bool tensor: 1 byte per
-    element. ``fused=True`` calls ``native_dropout`` here too.
-    """
-    if not training or p == 0.0:
-        return x
-    if fused:
-        return torch.native_dropout(x, p, True)[0]
-    return F.dropout(x, p, training=True)
-
-
-class TransformerLayer(nn.Module):
-    """A minimal pre-LN transformer layer, batch first: ``(batch, seq, hidden)``.
-
-    ``x + dropout(proj(attention(ln1(x))))``, then ``+ dropout(fc2(gelu(fc1(ln2(.)))))``,
-    the layer Korthikanti et al. count, with no causal mask (a mask changes which
-    scores count, not the activations' sizes). ``attention`` is ``"naive"``
-    (:func:`attention_core`) or ``"sdpa"`` (``F.scaled_dot_product_attention``,
-    which may pick a fused kernel that keeps no score matrix);
-    ``recompute_attention=True`` checkpoints the naive attention core, Korthikanti
-    et al.'s *selective* recomputation; ``fused_dropout=True`` stores 1-byte
-    dropout masks as GPU kernels do. Weights come from ``seed`` without touching
-    the global random state. The dtype is the caller's: ``layer.to(torch.bfloat16)``.
+    A pre-LN layer, batch first, ``(batch, seq, hidden)``:
+    ``x + dropout(proj(attention(ln(x))))``, then ``+ dropout(mlp(ln(.)))`` with an
+    MLP of width ``4 * hidden`` and GELU. ``attention`` is ``"naive"`` (written out,
+    so autograd keeps the softmax output, the dropout mask and the dropped-out
+    probabilities) or ``"sdpa"`` (``F.scaled_dot_product_attention``, which may
+    pick a fused kernel that keeps no score table); ``recompute_attention=True``
+    checkpoints the naive attention core, Korthikanti et al.'s *selective*
+    recomputation; ``fused_dropout=True`` stores 1-byte dropout masks as GPU
+    kernels do. The causal mask is added to the scores, so it keeps nothing.
+    Weights are PyTorch's default initialisation drawn from ``seed``, without
+    touching the global random state. The dtype is the caller's:
+    ``layer.to(torch.bfloat16)``.
     """
 
     def __init__(
@@ -232,54 +206,87 @@ class TransformerLayer(nn.Module):
         fused_dropout: bool = False,
         seed: int = 0,
     ) -> None:
-        super().__init__()
         h = _checks.count("hidden", hidden, minimum=1)
-        self.heads = _checks.count("heads", heads, minimum=1)
-        if h % self.heads:
+        if h % _checks.count("heads", heads, minimum=1):
             raise ValueError(f"heads must divide hidden = {h}, got {heads!r}")
-        self.p = _checks.fraction("dropout", dropout)
-        if self.p == 1.0:
-            raise ValueError(f"dropout must be a number in [0, 1), got {dropout!r}")
-        self.attention = _checks.choice("attention", attention, ("naive", "sdpa"))
-        for name, flag in (
-            ("recompute_attention", recompute_attention),
-            ("fused_dropout", fused_dropout),
-        ):
-            if not isinstance(flag, bool):
-                raise ValueError(f"{name} must be True or False, got {flag!r}")
-        if recompute_attention and attention != "naive":
-            raise ValueError("recompute_attention needs attention='naive', got 'sdpa'")
-        self.recompute_attention = recompute_attention
-        self.fused_dropout = fused_dropout
+        if _checks.boolean("recompute_attention", recompute_attention) and attention != "naive":
+            raise ValueError(f"recompute_attention needs attention='naive', got {attention!r}")
+        config = transformer.GPTConfig(
+            d_model=h,
+            heads=heads,
+            layers=1,
+            attention=attention,
+            dropout=dropout,
+            fused_dropout=_checks.boolean("fused_dropout", fused_dropout),
+            recompute="selective" if recompute_attention else "none",
+        )
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(_checks.count("seed", seed))
-            self.ln1 = nn.LayerNorm(h)
-            self.qkv = nn.Linear(h, 3 * h)
-            self.proj = nn.Linear(h, h)
-            self.ln2 = nn.LayerNorm(h)
-            self.fc1 = nn.Linear(h, 4 * h)
-            self.fc2 = nn.Linear(4 * h, h)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, hidden = x.shape
-        p, training, fused = self.p, self.training, self.fused_dropout
-        q, k, v = self.qkv(self.ln1(x)).split(hidden, dim=-1)
-        q, k, v = (t.view(batch, seq, self.heads, -1).transpose(1, 2) for t in (q, k, v))
-        if self.attention == "sdpa":
-            context = F.scaled_dot_product_attention(q, k, v, dropout_p=p if training else 0.0)
-        elif self.recompute_attention:
-            context = checkpoint(attention_core, q, k, v, p, training, fused, use_reentrant=False)
-        else:
-            context = attention_core(q, k, v, p, training, fused)
-        context = context.transpose(1, 2).reshape(batch, seq, hidden)
-        x = x + _dropout(self.proj(context), p, training, fused)
-        mlp = self.fc2(F.gelu(self.fc1(self.ln2(x))))
-        return x + _dropout(mlp, p, training, fused)
+            super().__init__(config)
 
 
-def korthikanti_terms(seq: int, batch: int, hidden: int, heads: int) -> dict[str, int]:
-    """Korthikanti et al.'s activation bytes of one layer, part by part (16-bit
+RECOMPUTE = transformer.RECOMPUTE
+"""Activation recomputation modes (:data:`trainscale.transformer.RECOMPUTE`, whose
+model runs them): keep everything; recompute only the attention scores (Korthikanti
+et al.'s *selective* recomputation, which is also what FlashAttention does inside its
+kernel); keep only each layer's input and rerun its forward pass during backward
+(*full* recomputation)."""
+
+
+class ActivationPart(NamedTuple):
+    """One row of Korthikanti et al.'s count: what a layer keeps, in bytes per
+    ``s b h`` and per ``a s^2 b``, whether tensor parallelism splits it, and the
+    ``block`` of the layer it belongs to."""
+
+    what: str
+    per_sbh: int
+    per_as2b: int
+    split_by_tp: bool
+    block: str
+
+
+ACTIVATION_PARTS: tuple[ActivationPart, ...] = (
+    ActivationPart("layer-norm output, input of the QKV projection", 2, 0, False, "attention"),
+    ActivationPart("queries and keys, inputs of Q K^T", 4, 0, True, "attention"),
+    ActivationPart("softmax output", 0, 2, True, "attention"),
+    ActivationPart("attention dropout mask", 0, 1, True, "attention"),
+    ActivationPart("attention dropout output, input of scores x V", 0, 2, True, "attention"),
+    ActivationPart("values", 2, 0, True, "attention"),
+    ActivationPart("input of the output projection", 2, 0, True, "attention"),
+    ActivationPart("attention-block dropout mask", 1, 0, False, "attention"),
+    ActivationPart("layer-norm output, input of the first linear layer", 2, 0, False, "MLP"),
+    ActivationPart("GELU input", 8, 0, True, "MLP"),
+    ActivationPart("GELU output, input of the second linear layer", 8, 0, True, "MLP"),
+    ActivationPart("MLP dropout mask", 1, 0, False, "MLP"),
+    ActivationPart("inputs of the two layer norms", 4, 0, False, "layer norms"),
+)
+"""What one GPT-style transformer layer keeps for backward, per Korthikanti et al.
+(arXiv 2205.05198, section 4.1), in 16-bit activations with 1-byte dropout masks.
+
+The rows add up to ``34 s b h + 5 a s^2 b`` bytes, the paper's ``sbh(34 + 5as/h)``,
+for sequence length ``s``, micro-batch ``b``, hidden size ``h`` and ``a`` heads:
+``11 sbh + 5 as^2b`` in the attention block, ``19 sbh`` in the MLP and ``4 sbh``
+for the layer norms. Tensor parallelism splits the rows inside the attention and
+MLP blocks by ``t`` (the ``24 s b h`` and the ``5 a s^2 b``); the other ``10 s b h``
+stay whole on every TP rank unless sequence parallelism splits them along the
+sequence too. The one table behind :func:`korthikanti_terms`,
+:func:`layer_activation_bytes` and the planner of chapter 13."""
+
+
+def _layer_sizes(seq_len: int, micro_batch: int, hidden: int, heads: int) -> tuple[int, int]:
+    """``(s b h, a s^2 b)`` after checking each argument is a whole number >= 1."""
+    s = _checks.count("seq_len", seq_len, minimum=1)
+    b = _checks.count("micro_batch", micro_batch, minimum=1)
+    h = _checks.count("hidden", hidden, minimum=1)
+    a = _checks.count("heads", heads, minimum=1)
+    return s * b * h, a * s * s * b
+
+
+def korthikanti_terms(seq_len: int, micro_batch: int, hidden: int, heads: int) -> dict[str, int]:
+    """Korthikanti et al.'s activation bytes of one layer, block by block (16-bit
     activations, 1-byte dropout masks, no parallelism, no recomputation).
+
+    Sums of :data:`ACTIVATION_PARTS`:
 
     - attention: ``11 s b h + 5 a s^2 b`` (QKV input 2sbh, Q and K 4sbh, V 2sbh,
       softmax output 2as²b, its dropout mask as²b and output 2as²b, projection
@@ -287,20 +294,81 @@ def korthikanti_terms(seq: int, batch: int, hidden: int, heads: int) -> dict[str
     - MLP: ``19 s b h`` (input 2sbh, GELU input 8sbh, GELU output 8sbh, mask sbh);
     - layer norms: ``4 s b h`` (each saves its 2sbh input).
     """
-    s, b, h, a = (
-        _checks.count(name, value, minimum=1)
-        for name, value in (("seq", seq), ("batch", batch), ("hidden", hidden), ("heads", heads))
-    )
-    return {
-        "attention": 11 * s * b * h + 5 * a * s * s * b,
-        "MLP": 19 * s * b * h,
-        "layer norms": 4 * s * b * h,
-    }
+    sbh, as2b = _layer_sizes(seq_len, micro_batch, hidden, heads)
+    terms: dict[str, int] = {}
+    for part in ACTIVATION_PARTS:
+        terms[part.block] = terms.get(part.block, 0) + part.per_sbh * sbh + part.per_as2b * as2b
+    return terms
 
 
-def korthikanti_bytes(seq: int, batch: int, hidden: int, heads: int) -> int:
-    """``s b h (34 + 5 a s / h)`` bytes: one layer's activations in 16-bit."""
-    return sum(korthikanti_terms(seq, batch, hidden, heads).values())
+def korthikanti_bytes(seq_len: int, micro_batch: int, hidden: int, heads: int) -> int:
+    """``s b h (34 + 5 a s / h)`` bytes: one layer's activations in 16-bit.
+
+    The same as :func:`layer_activation_bytes` with ``tp=1`` and no recomputation.
+    """
+    return sum(korthikanti_terms(seq_len, micro_batch, hidden, heads).values())
+
+
+def layer_activation_bytes(
+    seq_len: int,
+    micro_batch: int,
+    hidden: int,
+    heads: int,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+) -> float:
+    """Bytes one transformer layer keeps for backward on one GPU (Korthikanti et al.).
+
+    With ``s = seq_len``, ``b = micro_batch``, ``h = hidden``, ``a = heads`` and
+    ``t = tp`` this is the paper's Table 2 (arXiv 2205.05198), summed from
+    :data:`ACTIVATION_PARTS`:
+
+    * no parallelism: ``sbh (34 + 5as/h)``;
+    * tensor parallelism: ``sbh (10 + 24/t + 5as/(ht))``;
+    * tensor and sequence parallelism: ``sbh (34/t + 5as/(ht))``;
+    * selective recomputation drops the ``5as/h`` term (the attention scores are
+      recomputed): ``sbh (10 + 24/t)``, or ``sbh 34/t`` with sequence parallelism;
+    * full recomputation keeps only the layer's 16-bit input: ``2 sbh``, or
+      ``2 sbh / t`` with sequence parallelism, which shards that input along the
+      sequence (as Megatron-LM stores it).
+    """
+    sbh, as2b = _layer_sizes(seq_len, micro_batch, hidden, heads)
+    t = _checks.count("tp", tp, minimum=1)
+    sp = _checks.boolean("sequence_parallel", sequence_parallel)
+    mode = str(_checks.choice("recompute", recompute, RECOMPUTE))
+    if mode == "full":
+        return 2 * sbh / (t if sp else 1)
+    total = 0.0
+    for part in ACTIVATION_PARTS:
+        size = part.per_sbh * sbh + (0 if mode == "selective" else part.per_as2b * as2b)
+        total += size / t if part.split_by_tp or sp else size
+    return total
+
+
+def selective_recompute_flops(seq_len: int, micro_batch: int, hidden: int, tp: int = 1) -> float:
+    """FLOPs one GPU spends per layer and micro-batch on selective recomputation: ``2 b s^2 h / t``.
+
+    What it counts: the product ``Q K^T`` that rebuilds the attention scores, ``2 s^2 (h/a)``
+    FLOPs per head and sequence, so ``2 b s^2 h`` for the ``a`` heads of ``b`` sequences
+    (the whole ``s x s`` matrix, as :func:`trainscale.compute.attention_training_flops`
+    counts it), split over the ``t`` tensor-parallel GPUs by heads. The softmax and the
+    dropout that turn the scores back into the probabilities backward needs have no
+    matrix-product FLOPs and are not counted.
+
+    What it leaves out, and why: the product of the probabilities with ``V``. Its
+    output (the input of the output projection) is kept, and its backward needs only
+    its inputs, so it need not run again. PyTorch's ``checkpoint`` stops recomputing
+    once backward has every tensor it needs, and chapter 09 measures exactly
+    ``2 b s^2 h``; FlashAttention's backward also recomputes only the scores.
+    Megatron-LM's checkpointed core attention reruns the whole function, the product
+    with ``V`` included: ``4 b s^2 h``, an upper bound.
+    """
+    s = _checks.count("seq_len", seq_len, minimum=1)
+    b = _checks.count("micro_batch", micro_batch, minimum=1)
+    h = _checks.count("hidden", hidden, minimum=1)
+    t = _checks.count("tp", tp, minimum=1)
+    return 2 * b * s * s * h / t
 
 
 @dataclass(frozen=True)

@@ -208,11 +208,27 @@ def ring_all_reduce(tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor]
     return results, [a + b for a, b in zip(sent_rs, sent_ag, strict=True)]
 
 
+RING_COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather")
+"""The ring collectives whose traffic :func:`ring_factor` counts."""
+
+
+def ring_factor(ranks: int, collective: str = "all-reduce") -> float:
+    """Bytes each rank sends, per byte of the tensor, in a ring collective over ``ranks``.
+
+    A reduce-scatter or an all-gather is one pass around the ring: ``N - 1`` steps,
+    each sending one ``1/N`` chunk, so ``(N-1)/N`` of the tensor. An all-reduce is
+    both passes: ``2 (N-1)/N``. One rank alone sends nothing. This is the one home
+    of the ring's cost; every other module (sharding, the planner) calls it.
+    """
+    n = _checks.count("ranks", ranks, minimum=1)
+    kind = _checks.choice("collective", collective, RING_COLLECTIVES)
+    return (2 if kind == "all-reduce" else 1) * (n - 1) / n
+
+
 def ring_bytes_per_rank(tensor_bytes: float, ranks: int) -> float:
     """Bytes one rank sends in a ring all-reduce of ``tensor_bytes``: ``2(N-1)/N`` of it."""
     size = _checks.count("tensor_bytes", tensor_bytes)
-    n = _checks.count("ranks", ranks, minimum=1)
-    return 2 * (n - 1) * size / n
+    return ring_factor(ranks) * size
 
 
 def bus_bandwidth(algorithm_bandwidth: float, ranks: int) -> float:
@@ -223,5 +239,4 @@ def bus_bandwidth(algorithm_bandwidth: float, ranks: int) -> float:
     link's speed whatever the number of ranks.
     """
     algbw = _checks.positive("algorithm_bandwidth", algorithm_bandwidth)
-    n = _checks.count("ranks", ranks, minimum=1)
-    return algbw * 2 * (n - 1) / n
+    return algbw * ring_factor(ranks)

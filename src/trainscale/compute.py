@@ -67,6 +67,40 @@ def attention_training_flops(layers: int, context: int, d_attn: int, tokens: flo
     return 3 * 4 * n_layers * n_ctx * width * d
 
 
+FLOPS_CONVENTIONS = ("6n", "palm", "megatron")
+"""The ways published runs count training FLOPs per token (see :func:`flops_per_token`)."""
+
+
+def flops_per_token(
+    params: float, layers: int, hidden: int, seq_len: int, vocab: int, convention: str = "6n"
+) -> float:
+    """Training FLOPs per token under a published convention.
+
+    * ``"6n"``: ``6 N``, the book's count (:func:`training_flops` of one token);
+    * ``"palm"``: ``6 N + 12 L h s``, adding the attention scores and their product
+      with the values (:func:`attention_training_flops`; PaLM's MFU, Chowdhery et al.,
+      arXiv 2204.02311, used by Llama 3);
+    * ``"megatron"``: Narayanan et al.'s equation 3 (arXiv 2104.04473) per token,
+      ``96 L h^2 (1 + s/(6h) + V/(16 L h))``, which counts four passes through the
+      layers (forward, the forward that full recomputation repeats, and backward
+      twice as long) and the logits.
+
+    ``params`` is ``N``, ``layers`` ``L``, ``hidden`` ``h``, ``seq_len`` ``s`` and
+    ``vocab`` ``V``.
+    """
+    n = _checks.count("params", params)
+    n_layers = _checks.count("layers", layers, minimum=1)
+    h = _checks.count("hidden", hidden, minimum=1)
+    s = _checks.count("seq_len", seq_len, minimum=1)
+    v = _checks.count("vocab", vocab, minimum=1)
+    kind = _checks.choice("convention", convention, FLOPS_CONVENTIONS)
+    if kind == "6n":
+        return training_flops(n, 1)
+    if kind == "palm":
+        return training_flops(n, 1) + attention_training_flops(n_layers, s, h, 1)
+    return 96 * n_layers * h * h * (1 + s / (6 * h) + v / (16 * n_layers * h))
+
+
 @dataclass(frozen=True)
 class Budget:
     """What a training run costs: FLOPs, wall-clock seconds, GPU-hours and money."""

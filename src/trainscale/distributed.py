@@ -18,9 +18,14 @@ Safety, because this runs on the reader's machine:
   seconds with an error naming the rank, and every process is reaped: none is
   left behind, even if the parent dies (each rank watches its parent).
 
-Workers must live in an importable module: processes are started with
-``spawn`` (a fresh interpreter, since forking a process that already ran torch
-maths can hang), and ``spawn`` cannot send a function defined in a notebook.
+Under ``torchrun`` (:func:`run_torchrun` starts such a job from a notebook), the
+one way in is :func:`torchrun_main`: it joins the job with :func:`join_job`,
+which keeps to the same loopback rules, and runs a worker as one rank.
+
+Workers must live in an importable module: ranks are forked from a fork server
+(a fresh interpreter that has imported torch and done nothing else, since forking
+a process that already ran torch maths can hang), which receives the worker by
+name and so cannot run a function defined in a notebook.
 """
 
 from __future__ import annotations
@@ -68,11 +73,27 @@ def device() -> torch.device:
 
 
 def _watch_parent(parent: int) -> None:
-    """End this rank if the process that started it is gone (no orphans)."""
+    """End this rank if the process that started it is gone (no orphans).
+
+    A rank is forked by the fork server that ``parent`` started, so two things are
+    watched: ``parent`` itself, and the rank's own parent (the fork server, which
+    exits when ``parent`` does; the rank is then re-parented and notices)."""
+    forked_by = os.getppid()
     while True:
-        if os.getppid() != parent:
+        if os.getppid() != forked_by or not _alive(parent):
             os._exit(3)
         time.sleep(0.5)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (signal 0 checks without sending anything)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, but belongs to someone else
+        return True
+    return True
 
 
 def _redirect(fd: int, path: Path) -> None:
@@ -83,9 +104,17 @@ def _redirect(fd: int, path: Path) -> None:
 
 
 def _child(
-    rank: int, world_size: int, port: int, folder: str, parent: int, worker, args: tuple
+    rank: int,
+    world_size: int,
+    port: int,
+    folder: str,
+    parent: int,
+    env: dict[str, str],
+    worker: Callable[..., Any],
+    args: tuple,
 ) -> None:
-    """Entry point of one rank (runs in a fresh interpreter)."""
+    """Entry point of one rank, forked from the fork server with torch already imported."""
+    os.environ.update(env)  # the fork server's environment is from when it started
     out = Path(folder)
     _redirect(1, out / f"{rank}.out")
     _redirect(2, out / f"{rank}.err")
@@ -160,6 +189,25 @@ def _stop(processes: list) -> None:
             process.join()
 
 
+PRELOADED = ("torch", "torch.distributed")
+"""What the fork server imports once, so that each rank starts in milliseconds."""
+
+
+def _rank_context() -> mp.context.BaseContext:
+    """Processes forked from a fork server that has imported torch and nothing else.
+
+    Forking the notebook's own process is unsafe (after torch maths, its OpenMP
+    threads can hang the children), and a fresh interpreter per rank (``spawn``)
+    spends seconds of CPU importing torch each time. The fork server is a fresh
+    interpreter started once, on the first run, that has only *imported* torch
+    (no maths, no threads) and forks each rank from there. It lives as long as
+    the process that started it, and exits with it.
+    """
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(list(PRELOADED))
+    return context
+
+
 def run_ranks(
     worker: Callable[..., Any], world_size: int = 4, *args: Any, timeout: float = 60.0
 ) -> list[Any]:
@@ -176,19 +224,17 @@ def run_ranks(
         raise ValueError("worker must be a module-level function of an importable module")
     n = _checks.count("world_size", world_size, minimum=1)
     limit = _checks.positive("timeout", timeout)
-    context = mp.get_context("spawn")
+    context = _rank_context()
     with tempfile.TemporaryDirectory(prefix="trainscale-ranks-") as tmp:
         folder = Path(tmp)
         store, port = _loopback_store(n, limit)
         env = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "WORLD_SIZE": str(n)}
-        saved = {key: os.environ.get(key) for key in env}
-        os.environ.update(env)  # inherited by the spawned interpreters
         processes = []
         try:
             for rank in range(n):
                 process = context.Process(
                     target=_child,
-                    args=(rank, n, port, tmp, os.getpid(), worker, args),
+                    args=(rank, n, port, tmp, os.getpid(), env, worker, args),
                     name=f"rank-{rank}",
                     daemon=True,
                 )
@@ -197,11 +243,6 @@ def run_ranks(
             _wait(processes, folder, limit)
         finally:
             _stop(processes)
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
             del store
         _report(folder, n)
         return [pickle.loads((folder / f"{rank}.result").read_bytes()) for rank in range(n)]
@@ -241,20 +282,61 @@ def _wait(processes: list, folder: Path, timeout: float) -> None:
         time.sleep(0.02)
 
 
-def torchrun_main(worker: Callable[..., Any], *args: Any) -> Any:
-    """Run ``worker`` as one rank of a job started by ``torchrun``.
+def join_job() -> tuple[int, int]:
+    """Join the job ``torchrun`` described in the environment; return ``(rank, world size)``.
 
-    ``torchrun --nproc-per-node=8 -m trainscale.workers.some_module`` starts one
-    process per GPU and tells each its rank through environment variables
-    (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``); this joins the
-    process group from them, with the backend and device of
-    :func:`backend_and_device`, and calls ``worker(rank, world_size, *args)``.
+    ``torchrun`` tells each process ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and
+    where the job's key-value store is (``MASTER_ADDR``, ``MASTER_PORT``). The
+    backend and device are :func:`backend_and_device`'s for ``LOCAL_RANK``. When
+    the store is on this machine's loopback address and the processes do not
+    share torchrun's own store (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, which
+    :func:`run_torchrun` sets), rank 0 hosts the store on a socket bound to
+    127.0.0.1 (a ``TCPStore`` given an address still listens on every interface)
+    and gloo is kept on the loopback interface (``GLOO_SOCKET_IFNAME=lo``); on a
+    cluster this is the standard ``env://`` rendezvous. (``torchrun``'s own
+    rendezvous store, in the launcher, listens on every interface; that part is
+    beyond a worker's reach.)
     """
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     backend, dev = backend_and_device(int(os.environ.get("LOCAL_RANK", rank)))
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    dist.init_process_group(backend)
+    address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    on_this_machine = address in (LOOPBACK, "localhost")
+    if on_this_machine:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if not on_this_machine or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        dist.init_process_group(backend)  # env://: the store named by MASTER_ADDR/PORT
+        return rank, world_size
+    listener = None
+    if rank == 0:
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((LOOPBACK, port))
+        listener.listen(128)
+    store = dist.TCPStore(
+        LOOPBACK,
+        port,
+        world_size,
+        is_master=rank == 0,
+        master_listen_fd=listener.detach() if listener else None,
+        use_libuv=False,
+    )
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+    return rank, world_size
+
+
+def torchrun_main(worker: Callable[..., Any], *args: Any) -> Any:
+    """Run ``worker`` as one rank of a job started by ``torchrun``.
+
+    ``torchrun --nproc-per-node=8 -m trainscale.workers.some_module`` starts one
+    process per GPU and tells each its rank through environment variables; this
+    joins the process group with :func:`join_job`, calls
+    ``worker(rank, world_size, *args)`` and leaves the group again, whatever
+    happens. The workers' modules and the training script
+    (:mod:`trainscale.train`) all start this way.
+    """
+    rank, world_size = join_job()
     try:
         return worker(rank, world_size, *args)
     finally:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import numbers
 import queue
 import statistics
 import threading
@@ -45,16 +44,6 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 
 MAX_CALLS = 10_000
 """Most calls :func:`best_seconds` makes in one timed repeat."""
-
-
-def _seconds(name: str, value: object) -> float:
-    """``value`` as a finite float ``>= 0`` (a duration)."""
-    if not isinstance(value, bool) and isinstance(value, numbers.Real) and value == 0:
-        return 0.0
-    try:
-        return _checks.positive(name, value)
-    except ValueError:
-        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}") from None
 
 
 # --- FLOPs ---------------------------------------------------------------------------
@@ -255,9 +244,9 @@ class StepTimes:
     waiting: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
-        values = tuple(_seconds("seconds", s) for s in self.seconds)
+        values = tuple(_checks.non_negative("seconds", s) for s in self.seconds)
         object.__setattr__(self, "seconds", values)
-        waits = tuple(_seconds("waiting", w) for w in self.waiting)
+        waits = tuple(_checks.non_negative("waiting", w) for w in self.waiting)
         object.__setattr__(self, "waiting", waits)
         skipped = _checks.count("warmup", self.warmup)
         if skipped >= len(values):
@@ -432,7 +421,7 @@ def measure_training(
     left out of its averages.
     """
     n_steps = _checks.count("steps", steps, minimum=1)
-    wait = _seconds("delay", delay)
+    wait = _checks.non_negative("delay", delay)
     ahead = _checks.count("depth", depth)
     processes = _checks.count("workers", workers)
     if processes and (wait or ahead):
@@ -482,7 +471,7 @@ class SlowLoader(Generic[T]):
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.source = source
-        self.delay = _seconds("delay", delay)
+        self.delay = _checks.non_negative("delay", delay)
         self._sleep = sleep
 
     def __len__(self) -> int:
@@ -581,7 +570,7 @@ def loader_timeline(compute: float, loads: Sequence[float], depth: int) -> list[
     ready and step ``i - 1`` is done.
     """
     c = _checks.positive("compute", compute)
-    durations = [_seconds("loads", load) for load in loads]
+    durations = [_checks.non_negative("loads", load) for load in loads]
     ahead = _checks.count("depth", depth)
     spans: list[Span] = []
     taken: list[float] = []  # when each step took its batch (= started computing)
@@ -615,7 +604,7 @@ def steady_step_seconds(compute: float, load: float, prefetched: bool) -> float:
     overlap and the slower one sets the pace, ``max(compute, load)``.
     """
     c = _checks.positive("compute", compute)
-    ld = _seconds("load", load)
+    ld = _checks.non_negative("load", load)
     return max(c, ld) if prefetched else c + ld
 
 

@@ -14,6 +14,13 @@ double it. It has the same methods as ``torch.amp.GradScaler`` (``scale``,
 ``unscale_``, ``step``, ``update``, ``get_scale``), so one training loop,
 :func:`fp16_train_step`, drives either, and chapter 08 checks that they agree
 step by step.
+
+:func:`fp16_forward` runs a model as fp16 mixed precision does, emulated so
+that every CPU gets the same bits: fp16 inputs, weights and outputs, with the
+products added up in float64. What PyTorch's own fp16 kernels compute on a CPU
+depends on its instruction set (fp16 GELU, for one, differs between torch's
+AVX2 and default kernels), which moves a few gradients across the underflow
+threshold.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from trainscale import _checks
@@ -69,9 +77,10 @@ def next_scale(
     current = _checks.positive("scale", scale)
     count = _checks.count("good_steps", good_steps)
     interval = _check_rule(growth_factor, backoff_factor, growth_interval)
-    if not isinstance(found_inf, bool | np.bool_):
-        raise ValueError(f"found_inf must be True or False, got {found_inf!r}")
-    if found_inf:
+    found = _checks.boolean(
+        "found_inf", bool(found_inf) if isinstance(found_inf, np.bool_) else found_inf
+    )
+    if found:
         return _fp32(current * backoff_factor), 0
     if count + 1 < interval:
         return current, count + 1
@@ -178,6 +187,52 @@ class StepRecord:
     zero_share: float
 
 
+def _fp16_linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``layer(x)`` on fp16-rounded input, weight and bias, the products added up
+    in float64, the result rounded to fp16."""
+    bias = None if layer.bias is None else layer.bias.half().double()
+    return F.linear(x.half().double(), layer.weight.half().double(), bias).half()
+
+
+def _fp16_gelu(layer: nn.GELU, x: torch.Tensor) -> torch.Tensor:
+    """``layer(x)`` computed in float64 and rounded to fp16."""
+    return F.gelu(x.double(), approximate=layer.approximate).half()
+
+
+def fp16_forward(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``model(x)`` as fp16 mixed precision computes it, the same on every CPU.
+
+    An exact emulation of fp16 storage with higher-precision accumulation, which
+    is what GPU tensor cores do (they add up fp16 products in fp32): each
+    ``nn.Linear`` takes its input, weight and bias rounded to fp16, adds up the
+    products in float64 and rounds its output to fp16; each ``nn.GELU`` is
+    computed in float64 and rounded to fp16. The products of two fp16 numbers
+    are exact in float64 and their sums very nearly so, so rounding to fp16
+    gives the same bits on every CPU, whereas the gradients of
+    ``torch.autocast``'s fp16 CPU kernels differ between torch's AVX2 and
+    default kernels (a few more or fewer underflow to 0).
+
+    Backward goes through the same casts, so every gradient is rounded to fp16
+    at every layer boundary (where it can underflow to 0 or overflow to
+    ``inf``), and the weights' gradients arrive in the weights' dtype holding
+    fp16 values. ``model`` may hold ``nn.Sequential``, ``nn.Linear`` and
+    ``nn.GELU`` modules (the book's :func:`trainscale.memory.mlp_stack`);
+    anything else raises ``ValueError``.
+    """
+    if isinstance(model, nn.Sequential):
+        for layer in model:
+            x = fp16_forward(layer, x)
+        return x
+    if isinstance(model, nn.Linear):
+        return _fp16_linear(model, x)
+    if isinstance(model, nn.GELU):
+        return _fp16_gelu(model, x)
+    raise ValueError(
+        "model must be built of nn.Sequential, nn.Linear and nn.GELU modules,"
+        f" got {type(model).__name__}"
+    )
+
+
 def fp16_train_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -188,16 +243,13 @@ def fp16_train_step(
 ) -> StepRecord:
     """One mixed-precision step with loss scaling, the recipe of ``torch.amp``.
 
-    The model keeps its weights in fp32 (they are the master copy); autocast
-    runs the matrix products in fp16, so activations and the gradients flowing
-    back through them are fp16 and can underflow or overflow. Each weight
-    gradient arrives in fp32 (autocast's cast back is differentiable) but holds
-    the fp16 result. The loss is computed in fp32. ``scaler`` is a
-    :class:`DynamicLossScaler` or a ``torch.amp.GradScaler``.
+    The model keeps its weights in fp32 (they are the master copy); the forward
+    pass is :func:`fp16_forward`, so activations and the gradients flowing back
+    through them are fp16 and can underflow or overflow, and each weight
+    gradient arrives in fp32 holding an fp16 value. The loss is computed in
+    fp32. ``scaler`` is a :class:`DynamicLossScaler` or a ``torch.amp.GradScaler``.
     """
-    device_type = x.device.type
-    with torch.autocast(device_type, dtype=torch.float16):
-        output = model(x)
+    output = fp16_forward(model, x)
     loss = loss_fn(output.float(), y)
     optimizer.zero_grad(set_to_none=True)
     used = float(scaler.get_scale())
@@ -217,17 +269,16 @@ def fp16_gradients(
     scale: float = 1.0,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = nn.functional.mse_loss,
 ) -> dict[str, torch.Tensor]:
-    """The gradient of ``scale * loss``, computed as fp16 autocast computes it.
+    """The gradient of ``scale * loss``, computed as fp16 mixed precision computes it.
 
-    The forward runs under ``torch.autocast`` in fp16 (see :func:`fp16_train_step`);
-    the gradients are returned still multiplied by ``scale``, as backward left
-    them: an entry that is 0 underflowed somewhere in fp16, one that is ``inf``
-    or ``nan`` overflowed. Uses ``torch.autograd.grad``: ``.grad`` is left alone.
+    The forward pass is :func:`fp16_forward`; the gradients are returned still
+    multiplied by ``scale``, as backward left them: an entry that is 0
+    underflowed somewhere in fp16, one that is ``inf`` or ``nan`` overflowed.
+    Uses ``torch.autograd.grad``: ``.grad`` is left alone.
     """
     factor = _checks.positive("scale", scale)
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    with torch.autocast(x.device.type, dtype=torch.float16):
-        output = model(x)
+    output = fp16_forward(model, x)
     loss = loss_fn(output.float(), y) * torch.tensor(factor, dtype=torch.float32)
     grads = torch.autograd.grad(loss, [p for _, p in named])
     return {name: g for (name, _), g in zip(named, grads, strict=True)}

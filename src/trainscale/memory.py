@@ -42,6 +42,11 @@ SHARDED_FROM_STAGE: dict[str, int] = {
 GIB = 2**30
 """Bytes in a GiB (binary); a GB is 10**9 bytes."""
 
+USABLE_MEMORY = 0.9
+"""Share of a GPU's memory an estimate may fill with what it counts (model state and
+activations); the rest is left for what it does not count (CUDA context, NCCL buffers,
+allocator fragmentation). The planner (chapter 13) uses it."""
+
 
 def model_state_parts(params: float, gpus: int = 1, zero_stage: int = 0) -> dict[str, int]:
     """Bytes one GPU holds of each part of the model state.
@@ -62,6 +67,25 @@ def model_state_parts(params: float, gpus: int = 1, zero_stage: int = 0) -> dict
     }
 
 
+STATE_GROUPS = ("weights", "gradients", "optimiser state")
+"""How the book's figures, tables and planner group the model state: the
+optimiser state is :data:`OPTIMIZER_STATE` (fp32 master weights and Adam's moments)."""
+
+
+def model_state_groups(params: float, gpus: int = 1, zero_stage: int = 0) -> dict[str, int]:
+    """Bytes one GPU holds of weights, gradients and optimiser state (keys :data:`STATE_GROUPS`).
+
+    :func:`model_state_parts`, with the parts of :data:`OPTIMIZER_STATE` added up:
+    for one parameter on one GPU, 2, 2 and 12 bytes.
+    """
+    parts = model_state_parts(params, gpus, zero_stage)
+    return {
+        "weights": parts["weights"],
+        "gradients": parts["gradients"],
+        "optimiser state": sum(parts[part] for part in OPTIMIZER_STATE),
+    }
+
+
 def model_state_bytes(params: float, gpus: int = 1, zero_stage: int = 0) -> int:
     """Bytes of model state on one GPU (see :func:`model_state_parts`)."""
     return sum(model_state_parts(params, gpus, zero_stage).values())
@@ -72,12 +96,42 @@ def model_state_gib(params: int | float, gpus: int = 1, zero_stage: int = 0) -> 
     return model_state_bytes(params, gpus, zero_stage) / GIB
 
 
+def _uniform(shape: tuple[int, ...], bound: float) -> torch.Tensor:
+    """fp32 draws from U(-bound, bound), the same on every CPU.
+
+    PyTorch's ``uniform_`` computes ``u * 2b - b`` in fp32 from a 24-bit
+    ``u`` in [0, 1); whether that multiply-add is rounded once (fused) or twice
+    depends on the CPU's kernels, so the last bit of half the weights differs
+    between CPUs. Here the product and the sum are exact in float64 (24-bit
+    ``u`` times a 25-bit ``2b``, plus ``-b``), so the one rounding to fp32 is
+    the fused multiply-add's: the numbers ``uniform_`` gives with fused
+    kernels (AVX2, AVX-512), from the same random draws, on every CPU.
+    """
+    low = torch.tensor(-bound, dtype=torch.float32).double()
+    span = -2.0 * low  # exact: 2 * fp32(bound)
+    return (torch.rand(shape).double() * span + low).float()
+
+
+def _linear(fan_in: int, fan_out: int) -> nn.Linear:
+    """``nn.Linear(fan_in, fan_out)`` with PyTorch's default initialisation, drawn
+    in the same order (weight, then bias) but with :func:`_uniform`."""
+    layer = nn.utils.skip_init(nn.Linear, fan_in, fan_out)
+    gain = nn.init.calculate_gain("leaky_relu", math.sqrt(5))  # kaiming_uniform_'s
+    with torch.no_grad():
+        layer.weight.copy_(
+            _uniform(layer.weight.shape, math.sqrt(3.0) * (gain / math.sqrt(fan_in)))
+        )
+        layer.bias.copy_(_uniform(layer.bias.shape, 1 / math.sqrt(fan_in)))
+    return layer
+
+
 def mlp_stack(width: int = 256, blocks: int = 8, seed: int = 0) -> torch.nn.Sequential:
     """The book's reference model: ``blocks`` MLP blocks of ``width`` features.
 
     Each block is ``Linear(width, 4*width) -> GELU -> Linear(4*width, width) -> GELU``
-    in fp32. The weights come from ``seed`` without touching the global random
-    state, so building a model never changes what a later cell draws.
+    in fp32, initialised as ``nn.Linear`` is, with the same weights on every CPU
+    (see :func:`_uniform`). The weights come from ``seed`` without touching the
+    global random state, so building a model never changes what a later cell draws.
     """
     w = _checks.count("width", width, minimum=1)
     n_blocks = _checks.count("blocks", blocks, minimum=1)
@@ -85,7 +139,7 @@ def mlp_stack(width: int = 256, blocks: int = 8, seed: int = 0) -> torch.nn.Sequ
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         layers = [
-            nn.Sequential(nn.Linear(w, 4 * w), nn.GELU(), nn.Linear(4 * w, w), nn.GELU())
+            nn.Sequential(_linear(w, 4 * w), nn.GELU(), _linear(4 * w, w), nn.GELU())
             for _ in range(n_blocks)
         ]
     return nn.Sequential(*layers)

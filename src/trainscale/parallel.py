@@ -1,4 +1,6 @@
-"""The parallelisms simulated in one process (chapters 03, 06, 07 and 09).
+"""The parallelisms simulated in one process (chapters 03, 06 and 09).
+
+The pipeline's bubble and schedules live in :mod:`trainscale.pipeline` (chapter 07).
 
 Each function computes, on one CPU, what a group of GPUs would compute
 together, so its result can be compared with the plain single-device answer.
@@ -8,7 +10,6 @@ with ``torch.autograd.grad``: the model's ``.grad`` fields are left alone.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
@@ -17,6 +18,7 @@ from torch import Tensor, nn
 from trainscale import _checks
 from trainscale.collectives import ring_bytes_per_rank
 from trainscale.memory import run_checkpointed
+from trainscale.transformer import attend
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """A loss that averages over the batch, such as ``nn.functional.mse_loss``."""
@@ -121,17 +123,6 @@ def tensor_parallel_mlp(x: Tensor, w1: Tensor, w2: Tensor, shards: int) -> Tenso
     return sum(partials[1:], start=partials[0])  # the all-reduce: a sum over devices
 
 
-def pipeline_bubble(stages: int, micro_batches: int) -> float:
-    """Share of a GPipe pass each stage spends waiting: ``(K - 1) / (M + K - 1)``.
-
-    With ``K`` stages and ``M`` micro-batches the pipeline needs ``M + K - 1``
-    time slots per pass; each stage is busy in ``M`` of them.
-    """
-    k = _checks.count("stages", stages, minimum=1)
-    m = _checks.count("micro_batches", micro_batches, minimum=1)
-    return (k - 1) / (m + k - 1)
-
-
 def _check_chain(x: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> None:
     """Raise unless ``x @ first @ second`` is a valid chain of products."""
     if x.shape[-1] != first.shape[0] or first.shape[1] != second.shape[0]:
@@ -157,8 +148,7 @@ def first_matrix_by_rows_mlp(
     """
     n = _checks.count("shards", shards, minimum=1)
     _check_chain(x, up, down)
-    if not isinstance(sync_before_gelu, bool):
-        raise ValueError(f"sync_before_gelu must be True or False, got {sync_before_gelu!r}")
+    _checks.boolean("sync_before_gelu", sync_before_gelu)
     x_blocks = torch.tensor_split(x, n, dim=-1)
     row_blocks = torch.tensor_split(up, n, dim=0)
     partial_sums = [xb @ wb for xb, wb in zip(x_blocks, row_blocks, strict=True)]
@@ -232,7 +222,9 @@ def _check_attention(x, wq, wk, wv, wo, heads) -> int:
 
 
 def _attend(x, wq, wk, wv, wo, heads: int) -> torch.Tensor:
-    """Multi-head attention on the columns of ``wq``, ``wk``, ``wv`` and rows of ``wo``."""
+    """Multi-head attention on the columns of ``wq``, ``wk``, ``wv`` and rows of ``wo``:
+    the projections of this demonstration around the model's own attention formula,
+    :func:`trainscale.transformer.attend`, without its causal mask."""
     size = wq.shape[1] // heads
 
     def by_head(
@@ -241,8 +233,7 @@ def _attend(x, wq, wk, wv, wo, heads: int) -> torch.Tensor:
         return t.unflatten(-1, (heads, size)).transpose(-2, -3)
 
     q, k, v = by_head(x @ wq), by_head(x @ wk), by_head(x @ wv)
-    weights = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(size), dim=-1)
-    return (weights @ v).transpose(-2, -3).flatten(-2) @ wo
+    return attend(q, k, v, causal=False).transpose(-2, -3).flatten(-2) @ wo
 
 
 def multi_head_attention(

@@ -36,12 +36,10 @@ Three schedules:
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from trainscale import _checks
-from trainscale.parallel import pipeline_bubble
 
 FORWARD, BACKWARD = "forward", "backward"
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -113,46 +111,38 @@ class Timeline:
         return tuple(peaks)
 
 
-def interleaved_bubble(stages: int, micro_batches: int, chunks: int) -> float:
-    """Idle share of interleaved 1F1B: ``(K - 1) / (v M + K - 1)`` for ``v`` chunks.
+def bubble(stages: int, micro_batches: int, virtual_stages: int = 1) -> float:
+    """Idle share of a pipeline step: ``(p - 1) / (v m + p - 1)``.
 
-    Each of a device's ``v`` chunks takes ``1 / v`` of the time, so filling and
-    draining the pipeline costs ``v`` times less (arXiv 2104.04473).
-    With one chunk this is GPipe's ``(K - 1) / (M + K - 1)``.
+    With ``p`` stages and ``m`` micro-batches, GPipe and 1F1B need ``m + p - 1``
+    time slots of one micro-batch each, of which every stage is busy in ``m``:
+    ``(p - 1) / (m + p - 1)`` of the step is idle. With ``v`` virtual stages (model
+    chunks) per device, Megatron-LM's interleaved schedule (arXiv 2104.04473), each
+    chunk takes ``1 / v`` of the time, so filling and draining the pipeline costs
+    ``v`` times less: ``(p - 1) / (v m + p - 1)``. ``virtual_stages`` is what
+    :func:`simulate` calls ``chunks``. The one home of the bubble formula: the
+    planner of chapter 13 and the real pipeline of chapter 07 use it.
     """
-    k = _checks.count("stages", stages, minimum=1)
+    p = _checks.count("stages", stages, minimum=1)
     m = _checks.count("micro_batches", micro_batches, minimum=1)
-    v = _checks.count("chunks", chunks, minimum=1)
-    return (k - 1) / (v * m + k - 1)
+    v = _checks.count("virtual_stages", virtual_stages, minimum=1)
+    return (p - 1) / (v * m + p - 1)
 
 
-def micro_batches_for_bubble(stages: int, bubble: float) -> int:
-    """The fewest micro-batches that keep GPipe's bubble strictly below ``bubble``.
+def micro_batches_for_bubble(stages: int, bubble_share: float) -> int:
+    """The fewest micro-batches that keep the bubble strictly below ``bubble_share``.
 
     ``(K - 1) / (M + K - 1) < b`` means ``M > (K - 1)(1 - b) / b``; the answer is
-    checked against :func:`trainscale.parallel.pipeline_bubble` so that rounding
-    cannot move it by one.
+    checked against :func:`bubble` so that rounding cannot move it by one.
     """
     k = _checks.count("stages", stages, minimum=1)
-    target = _checks.positive("bubble", bubble, maximum=1.0)
+    target = _checks.positive("bubble_share", bubble_share, maximum=1.0)
     m = max(1, math.floor((k - 1) * (1 - target) / target))
-    while m > 1 and pipeline_bubble(k, m - 1) < target:
+    while m > 1 and bubble(k, m - 1) < target:
         m -= 1
-    while pipeline_bubble(k, m) >= target:
+    while bubble(k, m) >= target:
         m += 1
     return m
-
-
-def non_negative(name: str, value: object) -> float:
-    """Return ``value`` as a finite ``float`` ``>= 0``, or raise ``ValueError`` naming it."""
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, numbers.Real)
-        or not math.isfinite(value)
-        or value < 0
-    ):
-        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-    return float(value)
 
 
 def _gpipe_order(stages: int, micro_batches: int, stage: int) -> list[tuple[str, int, int]]:
@@ -224,7 +214,7 @@ def simulate(
     m = _checks.count("micro_batches", micro_batches, minimum=1)
     f = _checks.positive("forward", forward)
     b = 2 * f if backward is None else _checks.positive("backward", backward)
-    latency = non_negative("send", send)
+    latency = _checks.non_negative("send", send)
     if name == "interleaved":
         v = _checks.count("chunks", chunks, minimum=2)
         if m % k:

@@ -11,19 +11,20 @@ not to predict a step time to the millisecond.
 Memory per GPU (the fullest pipeline stage)
     * model state: 16 bytes per parameter (:data:`trainscale.memory.BYTES_PER_PARAM`),
       for the parameters of one pipeline stage divided over the TP group, with
-      ZeRO sharding over the DP group exactly as :func:`trainscale.memory.model_state_parts`
+      ZeRO sharding over the DP group exactly as :func:`trainscale.memory.model_state_groups`
       does it (chapters 02 and 05);
     * activations per Korthikanti et al. (arXiv 2205.05198; bib key korthikanti2022reducing),
-      built from :data:`ACTIVATION_PARTS` by :func:`layer_activation_bytes`, times the
+      :func:`trainscale.checkpointing.layer_activation_bytes` (chapter 09), times the
       layers of the stage, times the micro-batches in flight on it (1F1B keeps up to
       ``PP`` of them on the first stage), plus the embedding on the first stage and
       the output layer and its fp32 logits on the last one.
 
 Step time (:func:`evaluate` lists every term)
     compute at ``peak x`` :data:`KERNEL_EFFICIENCY` for the ``6 N`` FLOPs per token
-    (chapter 01), plus recomputation; tensor-parallel all-reduces, never hidden;
-    pipeline sends; the pipeline bubble; and data-parallel traffic, which hides
-    under the backward pass of one micro-batch and is exposed beyond it. Then
+    (chapter 01), plus recomputation (chapter 09); tensor-parallel all-reduces, never
+    hidden (ring cost from chapter 04); pipeline sends; the pipeline bubble (chapter
+    07); and data-parallel traffic (the bytes of chapter 05's ZeRO stages), which
+    hides under one micro-batch's compute and is exposed beyond it. Then
     ``MFU = 6 N x tokens per step / (step time x GPUs x peak)`` (chapter 12).
 
 Placement follows Megatron-LM's rank order: TP ranks are neighbours (inside a
@@ -55,8 +56,52 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from trainscale import _checks
-from trainscale.compute import FLOPS_PER_PARAM_PER_TOKEN
-from trainscale.memory import OPTIMIZER_STATE, model_state_parts
+from trainscale.checkpointing import (
+    ACTIVATION_PARTS,
+    RECOMPUTE,
+    layer_activation_bytes,
+    selective_recompute_flops,
+)
+from trainscale.collectives import ring_factor
+from trainscale.compute import FLOPS_PER_PARAM_PER_TOKEN, mfu
+from trainscale.memory import STATE_GROUPS, USABLE_MEMORY, model_state_groups
+from trainscale.pipeline import bubble
+from trainscale.published import GPUS, PublishedRun, published_runs
+from trainscale.sharding import ZERO_COLLECTIVES, zero_collective_bytes
+
+__all__ = [  # this module's public names, and those it re-exports for chapter 13
+    "A100_NODE",
+    "ACTIVATION_PARTS",
+    "EXAMPLE_CLUSTER",
+    "EXAMPLE_GLOBAL_BATCH",
+    "EXAMPLE_MODEL",
+    "H100_NODE",
+    "KERNEL_EFFICIENCY",
+    "MAX_BUBBLE",
+    "MEMORY_PARTS",
+    "RECOMPUTE",
+    "TIME_PARTS",
+    "USABLE_MEMORY",
+    "VERDICTS",
+    "Cluster",
+    "Layout",
+    "Model",
+    "PublishedRun",
+    "activation_bytes_per_gpu",
+    "estimate_run",
+    "evaluate",
+    "layer_activation_bytes",
+    "model_state_per_gpu",
+    "node_settings",
+    "plan",
+    "published_cluster",
+    "published_model",
+    "published_runs",
+    "reported_mfu_6n",
+    "stage_params",
+    "top_layouts",
+    "verdict_counts",
+]
 
 KERNEL_EFFICIENCY = 0.6
 """Share of peak FLOP/s that a well-tuned transformer layer's kernels sustain
@@ -65,18 +110,8 @@ assumption, not a measurement: large bf16 matrix multiplications on A100/H100
 reach 70-80 % of peak, and the normalisations, softmax and element-wise kernels
 between them pull the average down. Pass ``efficiency=`` to change it."""
 
-USABLE_MEMORY = 0.9
-"""Share of a GPU's memory the estimate may fill; the rest is left for what it
-does not count (CUDA context, NCCL buffers, allocator fragmentation)."""
-
 MAX_BUBBLE = 0.25
 """A pipeline that idles more than this share of the step is flagged."""
-
-RECOMPUTE = ("none", "selective", "full")
-"""Activation recomputation modes: keep everything; recompute only the attention
-scores (Korthikanti et al.'s *selective* recomputation, which is what
-FlashAttention does inside its kernel); keep only each layer's input and rerun
-its forward pass during backward (*full* recomputation, chapter 09)."""
 
 VERDICTS = ("fits", "TP across nodes", "bubble too large", "out of memory", "invalid")
 """Every verdict a layout can get. A layout with several problems gets the
@@ -95,42 +130,8 @@ TIME_PARTS = (
 )
 """The terms of :attr:`Layout.times`, which add up to the step time."""
 
-MEMORY_PARTS = ("weights", "gradients", "optimiser state", "activations")
+MEMORY_PARTS = (*STATE_GROUPS, "activations")
 """The terms of :attr:`Layout.memory_parts`, which add up to the memory per GPU."""
-
-ACTIVATION_PARTS: tuple[tuple[str, int, int, bool], ...] = (
-    # Attention block
-    ("layer-norm output, input of the QKV projection", 2, 0, False),
-    ("queries and keys, inputs of Q K^T", 4, 0, True),
-    ("softmax output", 0, 2, True),
-    ("attention dropout mask", 0, 1, True),
-    ("attention dropout output, input of the product with V", 0, 2, True),
-    ("values", 2, 0, True),
-    ("input of the output projection", 2, 0, True),
-    ("attention-block dropout mask", 1, 0, False),
-    # MLP block
-    ("layer-norm output, input of the first linear layer", 2, 0, False),
-    ("GELU input", 8, 0, True),
-    ("GELU output, input of the second linear layer", 8, 0, True),
-    ("MLP dropout mask", 1, 0, False),
-    # The two layer norms keep their inputs
-    ("inputs of the two layer norms", 4, 0, False),
-)
-"""What one GPT-style transformer layer keeps for backward, per Korthikanti et al.
-(arXiv 2205.05198, section 4.1), in 16-bit activations with 1-byte dropout masks.
-
-Each row is ``(what, bytes per s*b*h, bytes per a*s*s*b, split by tensor parallelism)``
-for sequence length ``s``, micro-batch ``b``, hidden size ``h`` and ``a`` heads.
-The rows add up to ``34 s b h + 5 a s^2 b`` bytes, the paper's ``sbh(34 + 5as/h)``.
-Tensor parallelism splits the rows inside the attention and MLP blocks by ``t``
-(the ``24 s b h`` and the ``5 a s^2 b``); the other ``10 s b h`` stay whole on every
-TP rank unless sequence parallelism splits them along the sequence too."""
-
-
-def _is_bool(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False, got {value!r}")
-    return value
 
 
 def _recompute(name: str, value: object) -> str:
@@ -159,7 +160,7 @@ class Model:
     def __post_init__(self) -> None:
         for name in ("params", "layers", "hidden", "heads", "seq_len", "vocab"):
             object.__setattr__(self, name, _checks.count(name, getattr(self, name), minimum=1))
-        _is_bool("tied_embeddings", self.tied_embeddings)
+        _checks.boolean("tied_embeddings", self.tied_embeddings)
         if self.hidden % self.heads:
             raise ValueError(
                 f"hidden must be a multiple of heads ({self.heads}), got {self.hidden}"
@@ -268,51 +269,6 @@ class Layout:
         return f"ZeRO-{self.zero_stage}, {recompute}, micro-batch {self.micro_batch}"
 
 
-def layer_activation_bytes(
-    seq_len: int,
-    micro_batch: int,
-    hidden: int,
-    heads: int,
-    tp: int = 1,
-    sequence_parallel: bool = False,
-    recompute: str = "none",
-) -> float:
-    """Bytes one transformer layer keeps for backward on one GPU (Korthikanti et al.).
-
-    With ``s = seq_len``, ``b = micro_batch``, ``h = hidden``, ``a = heads`` and
-    ``t = tp`` this is the paper's Table 2 (arXiv 2205.05198), derived here from
-    :data:`ACTIVATION_PARTS`:
-
-    * no parallelism: ``sbh (34 + 5as/h)``;
-    * tensor parallelism: ``sbh (10 + 24/t + 5as/(ht))``;
-    * tensor and sequence parallelism: ``sbh (34/t + 5as/(ht))``;
-    * selective recomputation drops the ``5as/h`` term (the attention scores are
-      recomputed): ``sbh (10 + 24/t)``, or ``sbh 34/t`` with sequence parallelism;
-    * full recomputation keeps only the layer's 16-bit input: ``2 sbh``, or
-      ``2 sbh / t`` with sequence parallelism, which shards that input along the
-      sequence (as Megatron-LM stores it).
-    """
-    s = _checks.count("seq_len", seq_len, minimum=1)
-    b = _checks.count("micro_batch", micro_batch, minimum=1)
-    h = _checks.count("hidden", hidden, minimum=1)
-    a = _checks.count("heads", heads, minimum=1)
-    t = _checks.count("tp", tp, minimum=1)
-    sp = _is_bool("sequence_parallel", sequence_parallel)
-    mode = _recompute("recompute", recompute)
-    return _layer_activation_bytes(s, b, h, a, t, sp, mode)
-
-
-def _layer_activation_bytes(s: int, b: int, h: int, a: int, t: int, sp: bool, mode: str) -> float:
-    sbh, as2b = s * b * h, a * s * s * b
-    if mode == "full":
-        return 2 * sbh / (t if sp else 1)
-    total = 0.0
-    for _, per_sbh, per_as2b, split in ACTIVATION_PARTS:
-        size = per_sbh * sbh + (0 if mode == "selective" else per_as2b * as2b)
-        total += size / t if split or sp else size
-    return total
-
-
 def _stage(model: Model, pp: int, virtual_stages: int) -> tuple[int, int, float, int]:
     """Layers per model chunk, per stage, the compute imbalance, and parameters per stage.
 
@@ -354,7 +310,7 @@ def model_state_per_gpu(
     """Bytes of weights, gradients and optimiser state on one GPU of the fullest stage.
 
     The stage's parameters are divided over TP (:func:`stage_params`), then ZeRO
-    shards them over DP with :func:`trainscale.memory.model_state_parts`.
+    shards them over DP with :func:`trainscale.memory.model_state_groups`.
     """
     per_gpu = stage_params(model, tp, pp, virtual_stages)
     return dict(_state(per_gpu, _checks.count("dp", dp, minimum=1), zero_stage))
@@ -362,13 +318,7 @@ def model_state_per_gpu(
 
 @functools.lru_cache(maxsize=4096)
 def _state(per_gpu: int, dp: int, zero_stage: int) -> tuple[tuple[str, int], ...]:
-    parts = model_state_parts(per_gpu, gpus=dp, zero_stage=zero_stage)
-    optimiser = sum(parts[p] for p in OPTIMIZER_STATE)
-    return (
-        ("weights", parts["weights"]),
-        ("gradients", parts["gradients"]),
-        ("optimiser state", optimiser),
-    )
+    return tuple(model_state_groups(per_gpu, gpus=dp, zero_stage=zero_stage).items())
 
 
 @functools.lru_cache(maxsize=4096)
@@ -384,7 +334,7 @@ def _activations(
 ) -> float:
     """Activation bytes on the fullest pipeline stage (see :func:`activation_bytes_per_gpu`)."""
     s, h, a, vocab = model.seq_len, model.hidden, model.heads, model.vocab
-    per_layer = _layer_activation_bytes(s, b, h, a, t, sp, mode)
+    per_layer = layer_activation_bytes(s, b, h, a, t, sp, mode)
     t_sp = t if sp else 1
     embedding = s * b * h / t_sp  # 1-byte dropout mask on the embedding output
     output = 4 * s * b * h / t_sp + 4 * s * b * vocab / t  # final norm, output input, fp32 logits
@@ -429,22 +379,11 @@ def activation_bytes_per_gpu(
     b = _checks.count("micro_batch", micro_batch, minimum=1)
     m = _checks.count("micro_batches", micro_batches, minimum=1)
     mode = _recompute("recompute", recompute)
-    sp = _is_bool("sequence_parallel", sequence_parallel)
+    sp = _checks.boolean("sequence_parallel", sequence_parallel)
     v = _checks.count("virtual_stages", virtual_stages, minimum=1) if p > 1 else 1
     if p * v > model.layers:
         raise ValueError(f"pp x virtual_stages must be <= layers ({model.layers}), got {p * v}")
     return _activations(model, t, p, b, m, mode, sp, v)
-
-
-def ring_factor(ranks: int, collective: str = "all-reduce") -> float:
-    """Bytes each rank sends, per byte of the tensor, in a ring collective of ``ranks``.
-
-    ``2 (N-1) / N`` for an all-reduce, ``(N-1) / N`` for a reduce-scatter or an
-    all-gather (chapter 04).
-    """
-    n = _checks.count("ranks", ranks, minimum=1)
-    kind = _checks.choice("collective", collective, ("all-reduce", "reduce-scatter", "all-gather"))
-    return (2 if kind == "all-reduce" else 1) * (n - 1) / n
 
 
 @dataclass(frozen=True)
@@ -464,7 +403,7 @@ def _options(
     max_bubble: object,
 ) -> _Options:
     return _Options(
-        sequence_parallel=_is_bool("sequence_parallel", sequence_parallel),
+        sequence_parallel=_checks.boolean("sequence_parallel", sequence_parallel),
         virtual_stages=_checks.count("virtual_stages", virtual_stages, minimum=1),
         efficiency=_checks.positive("efficiency", efficiency, maximum=1.0),
         usable_memory=_checks.positive("usable_memory", usable_memory, maximum=1.0),
@@ -493,6 +432,30 @@ def _invalid(t, p, d, zero, mode, b, batch, problems, notes) -> Layout:
         problems=tuple(problems),
         notes=tuple(notes),
     )
+
+
+def _data_parallel_seconds(
+    per_gpu: int, dp: int, zero: int, link: float, forward: float, backward: float
+) -> tuple[float, float]:
+    """Data-parallel seconds not hidden under compute: ``(per micro-batch, once per step)``.
+
+    The bytes of each collective come from :func:`trainscale.sharding.zero_collective_bytes`
+    (16-bit weights and gradients of the stage's ``per_gpu`` parameters over ``dp``
+    GPUs), which ones run every micro-batch from :data:`trainscale.sharding.ZERO_COLLECTIVES`.
+    Collectives that hide under the backward pass share one micro-batch's ``backward``
+    (recomputation included); those that hide under the forward pass share one
+    ``forward``; what they take beyond it is exposed.
+    """
+    runs = zero_collective_bytes(per_gpu, dp, zero)
+    seconds: dict[tuple[bool, str], float] = {}
+    for c in ZERO_COLLECTIVES[zero]:
+        key = (c.per_micro_batch, c.hides_under)
+        seconds[key] = seconds.get(key, 0.0) + runs[c.name] / link
+    window = {"forward": forward, "backward": backward}
+    exposed = {True: 0.0, False: 0.0}
+    for (every, phase), busy in seconds.items():
+        exposed[every] += max(0.0, busy - window[phase])
+    return exposed[True], exposed[False]
 
 
 def _evaluate(
@@ -548,8 +511,8 @@ def _evaluate(
     backward = compute - forward
     if mode == "full":
         recompute = forward  # one more forward pass
-    elif mode == "selective":
-        recompute = 4 * b * s * s * h * per_stage / t / rate  # Q K^T and scores x V, again
+    elif mode == "selective":  # the attention scores of every layer, again
+        recompute = selective_recompute_flops(s, b, h, t) * per_stage / rate
     else:
         recompute = 0.0
 
@@ -566,34 +529,23 @@ def _evaluate(
 
     # Data parallelism over the 16-bit gradients and weights of the stage.
     dp_link = intra if gpn % (t * d) == 0 else inter
-    gather = ring_factor(d, "all-gather") * 2 * per_gpu / dp_link
-    scatter = ring_factor(d, "reduce-scatter") * 2 * per_gpu / dp_link
     window = backward + recompute  # what one micro-batch's backward phase lasts
-    if zero == 0:  # one all-reduce per step, bucket by bucket under the last backward
-        dp_each, dp_once = 0.0, max(0.0, gather + scatter - window)
-    elif zero == 1:  # its two halves: gradients under the last backward, weights under a forward
-        dp_each, dp_once = 0.0, max(0.0, scatter - window) + max(0.0, gather - forward)
-    elif zero == 2:  # sharded gradients: reduce-scatter after every micro-batch
-        dp_each = max(0.0, scatter - window)
-        dp_once = max(0.0, gather - forward)
-    else:  # and sharded weights: gathered for every forward and every backward
-        dp_each = max(0.0, gather - forward) + max(0.0, gather + scatter - window)
-        dp_once = 0.0
+    dp_each, dp_once = _data_parallel_seconds(per_gpu, d, zero, dp_link, forward, window)
 
     per_micro = compute + recompute + tensor + sends + dp_each
-    idle_slots = (p - 1) / v
+    busy = m * per_micro
+    idle_share = bubble(p, m, v)
     times = {
         "compute": m * compute,
         "recomputation": m * recompute,
         "tensor-parallel traffic": m * tensor,
         "pipeline sends": m * sends,
         "data-parallel traffic": m * dp_each + dp_once,
-        "pipeline bubble": idle_slots * per_micro,
+        "pipeline bubble": busy * idle_share / (1 - idle_share),  # idle = busy x b / (1 - b)
     }
     step = sum(times.values())
-    bubble = times["pipeline bubble"] / step
-    tokens = batch * s
-    mfu = six * model.params * tokens / (step * t * p * d * cluster.peak_flops)
+    bubble_share = times["pipeline bubble"] / step
+    utilisation = mfu(batch * s / step, model.params, t * p * d, cluster.peak_flops)
 
     problems = []
     if memory > opt.usable_memory * cluster.memory_bytes:
@@ -605,9 +557,9 @@ def _evaluate(
     if tp_across:
         problems.append("TP across nodes")
         notes.append(across)
-    if bubble > opt.max_bubble:
+    if bubble_share > opt.max_bubble:
         problems.append("bubble too large")
-        notes.append(f"pipeline idle {bubble:.0%} of the step with {m} micro-batches")
+        notes.append(f"pipeline idle {bubble_share:.0%} of the step with {m} micro-batches")
     verdict = next((kind for kind in _SEVERITY if kind in problems), "fits")
     return Layout(
         tp=t,
@@ -622,8 +574,8 @@ def _evaluate(
         memory_bytes=memory,
         times=times,
         step_seconds=step,
-        mfu=mfu,
-        bubble=bubble,
+        mfu=utilisation,
+        bubble=bubble_share,
         verdict=verdict,
         problems=tuple(sorted(problems, key=_SEVERITY.index)),
         notes=tuple(notes),
@@ -664,15 +616,20 @@ def evaluate(
     * compute: ``6 N b s / (pp tp)`` FLOPs at ``peak * efficiency``, times the
       layer imbalance when ``pp`` does not divide the layers;
     * recomputation: full, one more forward pass (a third more compute); selective,
-      the attention scores again (``4 b s^2 h`` FLOPs per layer, over ``tp``);
+      the attention scores again
+      (:func:`trainscale.checkpointing.selective_recompute_flops`, ``2 b s^2 h / t``
+      FLOPs per layer);
     * tensor parallelism: per layer 4 all-reduces of ``2 s b h`` bytes (6 with full
-      recomputation), ``2 (t-1)/t`` of them sent per GPU, over NVLink if TP fits in
+      recomputation), :func:`trainscale.collectives.ring_factor` (``2 (t-1)/t``) of
+      them sent per GPU, over NVLink if TP fits in
       a node and over the network otherwise; not overlapped;
     * pipeline sends: the activation forward and its gradient back, ``2 s b h / t``
       bytes each, per model chunk;
     * data-parallel traffic that did not hide under compute, each collective
       moving ``(d-1)/d x 2`` bytes per parameter of the stage (16-bit), twice for
-      an all-reduce. Without ZeRO, one gradient all-reduce per step, started bucket
+      an all-reduce (:func:`trainscale.sharding.zero_collective_bytes`; which run
+      every micro-batch: :data:`trainscale.sharding.ZERO_COLLECTIVES`). Without
+      ZeRO, one gradient all-reduce per step, started bucket
       by bucket during the last micro-batch's backward and hidden under it as far
       as it lasts. ZeRO-1 splits it into a reduce-scatter of the gradients (under
       that backward) and an all-gather of the updated weights (prefetched under
@@ -682,8 +639,8 @@ def evaluate(
       before every forward and every backward: with one micro-batch, 1.5 times
       the traffic of the others.
 
-    Then the pipeline adds ``(pp - 1) / virtual_stages`` idle micro-batch slots
-    (the bubble, ``(p-1)/(v m + p - 1)`` of the step, chapter 07). The verdict is
+    Then the pipeline idles :func:`trainscale.pipeline.bubble`, ``(p-1)/(v m + p - 1)``,
+    of its time (chapter 07): ``(pp - 1) / virtual_stages`` micro-batch slots. The verdict is
     ``out of memory`` beyond ``usable_memory`` of the GPU, ``TP across nodes``
     when a TP group spans nodes, ``bubble too large`` beyond ``max_bubble``, and
     ``invalid`` when TP does not divide the heads, the chunks outnumber the layers,
@@ -813,17 +770,26 @@ EXAMPLE_MODEL = Model(params=70e9, layers=80, hidden=8192, heads=64, seq_len=409
 sequences of 4,096 tokens, a 32,000-token vocabulary (Llama 2 70B's shape,
 with plain multi-head attention assumed)."""
 
-H100_NODE = {
-    "gpus_per_node": 8,
-    "memory_bytes": 80e9,
-    "peak_flops": 989e12,
-    "intra_node_bandwidth": 450e9,
-    "inter_node_bandwidth": 50e9,
-}
-"""Assumptions for an 8 x H100 SXM node: 80 GB per GPU (counted as 80e9 bytes,
-the book's convention), 989 TFLOP/s dense bf16, NVLink 4 at 900 GB/s both
-directions together (450e9 B/s each way), one 400 Gb/s InfiniBand or RoCE card
-per GPU (50e9 B/s)."""
+
+def node_settings(gpu: str, inter_node_bandwidth: float) -> dict[str, float]:
+    """The :class:`Cluster` settings of one node of ``gpu`` (a key of
+    :data:`trainscale.published.GPUS`), all but ``nodes``: its GPUs per node, memory,
+    peak FLOP/s and NVLink bandwidth, with the given bytes per second per GPU to
+    other nodes."""
+    spec = GPUS[str(_checks.choice("gpu", gpu, tuple(GPUS)))]
+    return {
+        "gpus_per_node": spec.gpus_per_node,
+        "memory_bytes": spec.memory_bytes,
+        "peak_flops": spec.peak_flops,
+        "intra_node_bandwidth": spec.nvlink_bandwidth,
+        "inter_node_bandwidth": _checks.positive("inter_node_bandwidth", inter_node_bandwidth),
+    }
+
+
+H100_NODE = node_settings("H100-80GB", inter_node_bandwidth=50e9)
+"""Assumptions for an 8 x H100 SXM node: the GPU of :data:`trainscale.published.GPUS`
+(80 GB per GPU counted as 80e9 bytes, 989 TFLOP/s dense bf16, NVLink 4 at 450e9 B/s
+each way) and one 400 Gb/s InfiniBand or RoCE card per GPU (50e9 B/s)."""
 
 EXAMPLE_CLUSTER = Cluster(nodes=8, **H100_NODE)
 """The worked example's cluster: 8 nodes x 8 H100 = 64 GPUs."""
@@ -831,170 +797,87 @@ EXAMPLE_CLUSTER = Cluster(nodes=8, **H100_NODE)
 EXAMPLE_GLOBAL_BATCH = 64
 """The worked example's global batch, in sequences of 4,096 tokens."""
 
-A100_NODE = {
-    "gpus_per_node": 8,
-    "memory_bytes": 80e9,
-    "peak_flops": 312e12,
-    "intra_node_bandwidth": 300e9,
-    "inter_node_bandwidth": 25e9,
-}
+A100_NODE = node_settings("A100-80GB", inter_node_bandwidth=25e9)
 """Assumptions for a DGX A100 80 GB node as in Narayanan et al.'s Selene runs:
-312 TFLOP/s dense bf16/fp16, NVLink 3 at 600 GB/s both directions together,
-eight 200 Gb/s HDR InfiniBand cards per node (25e9 B/s per GPU)."""
+312 TFLOP/s dense bf16/fp16, NVLink 3 at 300e9 B/s each way, eight 200 Gb/s HDR
+InfiniBand cards per node (25e9 B/s per GPU)."""
 
 
-def _megatron_run(params, heads, hidden, layers, tp, pp, gpus, batch, tflops, share):
-    return {
-        "name": f"GPT {params / 1e9:g}B on {gpus:,} A100s",
-        "cite": "narayanan2021efficient",
-        "source": "Narayanan et al. 2021 (arXiv 2104.04473), Table 1",
-        "model": Model(
-            params=params,
-            layers=layers,
-            hidden=hidden,
-            heads=heads,
-            seq_len=2048,
-            vocab=51200,
-            tied_embeddings=True,
-        ),
-        "cluster": Cluster(nodes=gpus // 8, **A100_NODE),
-        "global_batch": batch,
-        "tp": tp,
-        "pp": pp,
-        "dp": gpus // (tp * pp),
-        "reported_tflops_per_gpu": tflops,
-        "reported_share_of_peak": share,
-        "flops_counted": "megatron",
-        "recompute": "full",
-        "zero_stage": 0,
-    }
-
-
-PUBLISHED_RUNS: tuple[dict, ...] = (
-    _megatron_run(18.4e9, 48, 6144, 40, 8, 1, 256, 1024, 135, 0.43),
-    _megatron_run(145.6e9, 96, 12288, 80, 8, 8, 1536, 2304, 148, 0.47),
-    _megatron_run(529.6e9, 128, 20480, 105, 8, 35, 2520, 2520, 163, 0.52),
-    _megatron_run(1008.0e9, 160, 25600, 128, 8, 64, 3072, 3072, 163, 0.52),
-    *(
-        {
-            "name": f"Llama 3 405B on {gpus:,} H100s",
-            "cite": "dubey2024llama3",
-            "source": "Llama 3 (arXiv 2407.21783), Table 4",
-            "model": Model(
-                params=405e9, layers=126, hidden=16384, heads=128, seq_len=8192, vocab=128000
-            ),
-            "cluster": Cluster(nodes=gpus // 8, **H100_NODE),
-            "global_batch": dp * per_dp,
-            "tp": 8,
-            "pp": 16,
-            "dp": dp,
-            "reported_tflops_per_gpu": tflops,
-            "reported_share_of_peak": mfu,
-            "flops_counted": "palm",
-            "recompute": "selective",
-            "zero_stage": 2,
-        }
-        for gpus, dp, per_dp, tflops, mfu in (
-            (8192, 64, 32, 430, 0.43),
-            (16384, 128, 16, 400, 0.41),
-        )
-    ),
-)
-"""Published large runs, to set the planner's estimates against (sequences per batch
-in ``global_batch``; ``tp * pp * dp`` GPUs).
-
-Megatron-LM, Narayanan et al. 2021 (arXiv 2104.04473; bib key narayanan2021efficient),
-Table 1: GPT models (tied embeddings) with a 51,200-token vocabulary and 2,048-token
-sequences on Selene's DGX A100 nodes; the reported throughput is end to end, and
-its FLOP count includes
-the attention, the output layer *and the forward pass that activation
-recomputation repeats* (their equation 3), so the reported share of peak is a
-hardware utilisation, higher than the MFU of the ``6 N`` count: see
-:func:`reported_mfu_6n`. Their FLOP count assumes full recomputation, so
-``recompute`` is ``"full"``; the runs replicate the optimiser state over DP
-(``zero_stage`` 0); micro-batch sizes and schedules are not in the table.
-
-Llama 3 405B (arXiv 2407.21783; bib key dubey2024llama3), Table 4, the two
-8,192-token stages without context parallelism: 16M tokens per batch, TP 8,
-PP 16, BF16 MFU as defined by PaLM (Chowdhery et al., arXiv 2204.02311), which
-adds the attention FLOPs to ``6 N``.
-Meta used FSDP, an interleaved pipeline schedule with one layer fewer on the
-first and last stages, and no activation checkpointing at 8K tokens. Their
-FSDP shards optimiser state and gradients but keeps the gathered weights from
-forward to backward, which in memory is ZeRO stage 2 (``zero_stage``). The
-planner's closest mode is ``"selective"`` (``recompute`` below): a fused
-attention kernel keeps no score matrix and recomputes it in backward. Their
-model has grouped-query attention and a SwiGLU MLP, which the planner's
-GPT-style activation count only approximates; the number of interleaved
-stages is not given."""
-
-
-def flops_per_token(model: Model, convention: str) -> float:
-    """Training FLOPs per token under a published convention.
-
-    * ``"6n"``: ``6 N``, the book's count (chapter 01);
-    * ``"palm"``: ``6 N + 12 L h s``, adding the attention scores and their
-      product with the values (PaLM's MFU, used by Llama 3);
-    * ``"megatron"``: Narayanan et al.'s equation 3 per token,
-      ``96 L h^2 (1 + s/(6h) + V/(16 L h))``, which counts four passes through the
-      layers (forward, recomputed forward, backward twice as long) and the logits.
-    """
-    if not isinstance(model, Model):
-        raise ValueError(f"model must be a planner.Model, got {type(model).__name__}")
-    kind = _checks.choice("convention", convention, ("6n", "palm", "megatron"))
-    n, layers, h, s = model.params, model.layers, model.hidden, model.seq_len
-    if kind == "6n":
-        return 6 * n
-    if kind == "palm":
-        return 6 * n + 12 * layers * h * s
-    return 96 * layers * h * h * (1 + s / (6 * h) + model.vocab / (16 * layers * h))
-
-
-def reported_mfu_6n(run: Mapping) -> float:
-    """A published run's reported utilisation restated in the book's ``6 N`` convention.
-
-    The reported share of peak is scaled by ``6 N`` over the FLOPs per token the
-    authors counted (:func:`flops_per_token`), so it compares with :attr:`Layout.mfu`.
-    """
-    try:
-        model, share, convention = run["model"], run["reported_share_of_peak"], run["flops_counted"]
-    except (KeyError, TypeError) as missing:
+def _published(run: object) -> PublishedRun:
+    if not isinstance(run, PublishedRun):
         raise ValueError(
-            "run must be a dict like those of PUBLISHED_RUNS, with model, "
-            f"reported_share_of_peak and flops_counted; missing {missing}"
-        ) from None
-    return _checks.fraction("reported_share_of_peak", share) * (
-        flops_per_token(model, "6n") / flops_per_token(model, convention)
+            f"run must be a planner.PublishedRun (see published_runs()), got {type(run).__name__}"
+        )
+    return run
+
+
+def published_model(run: PublishedRun) -> Model:
+    """The planner's :class:`Model` of a published run.
+
+    Tied embeddings are read off the published parameter count
+    (:attr:`trainscale.published.PublishedRun.tied_embeddings`). Grouped-query
+    attention and a gated MLP change only how the parameters are counted, which
+    ``params`` already does; the activation count stays GPT-style (an approximation).
+    """
+    run = _published(run)
+    return Model(
+        params=run.params,
+        layers=run.layers,
+        hidden=run.hidden,
+        heads=run.heads,
+        seq_len=run.seq_len,
+        vocab=run.vocab,
+        tied_embeddings=run.tied_embeddings,
     )
 
 
-def estimate_run(run: Mapping, **options) -> Layout | None:
+def published_cluster(run: PublishedRun) -> Cluster:
+    """The planner's :class:`Cluster` of a published run: its GPUs, in nodes of its GPU type."""
+    run = _published(run)
+    if run.inter_node_bandwidth is None:
+        raise ValueError(f"run {run.name!r} does not publish inter_node_bandwidth")
+    settings = node_settings(run.gpu, run.inter_node_bandwidth)
+    return Cluster(nodes=run.gpus // settings["gpus_per_node"], **settings)
+
+
+def reported_mfu_6n(run: PublishedRun) -> float:
+    """A published run's utilisation in the book's ``6 N`` convention.
+
+    ``6 N`` FLOPs per token times the tokens per second of its ``step_seconds``, over
+    the peak of its GPUs (:func:`trainscale.compute.mfu`): comparable with
+    :attr:`Layout.mfu`. Papers often also count attention and recomputation (see
+    :func:`trainscale.compute.flops_per_token`), which inflates their share of peak;
+    ``step_seconds`` already undid their convention.
+    """
+    run = _published(run)
+    peak = GPUS[run.gpu].peak_flops
+    return mfu(run.tokens_per_step / run.step_seconds, run.params, run.gpus, peak)
+
+
+def estimate_run(run: PublishedRun, **options) -> Layout | None:
     """The planner's best layout with a published run's TP, PP and DP.
 
     ``options`` go to :func:`plan` (e.g. ``virtual_stages=2``); the run's own
-    ``recompute`` and ``zero_stage`` settings, where it records them, restrict
-    the modes and stages tried unless ``options`` name them. The fastest layout
-    that fits is returned; if none fits, the fastest that is only flagged (bubble,
-    TP across nodes), then the fastest that runs out of memory, so the estimate
-    can still be compared.
-    ``None`` only if the run's shape is invalid for the planner.
+    ``recompute`` and ``zero_stage``, where published, restrict the modes and stages
+    tried unless ``options`` name them. Sequence parallelism, interleaving and the
+    micro-batch stay the planner's to choose (its defaults), as for any layout.
+    The fastest layout that fits is returned; if none fits, the fastest that is only
+    flagged (bubble, TP across nodes), then the fastest that runs out of memory, so
+    the estimate can still be compared. ``None`` only if the run's shape is invalid
+    for the planner.
     """
-    try:
-        model, cluster, batch = run["model"], run["cluster"], run["global_batch"]
-        shape = (run["tp"], run["pp"], run["dp"])
-    except (KeyError, TypeError) as missing:
-        raise ValueError(
-            "run must be a dict like those of PUBLISHED_RUNS, with model, cluster, "
-            f"global_batch, tp, pp and dp; missing {missing}"
-        ) from None
-    if "recompute" in run and "recompute" not in options:
-        options["recompute"] = (run["recompute"],)
-    if "zero_stage" in run and "zero_stages" not in options:
-        options["zero_stages"] = (run["zero_stage"],)
+    run = _published(run)
+    if run.cp not in (None, 1):
+        raise ValueError(f"run {run.name!r} uses context parallelism, which the planner lacks")
+    if run.recompute is not None and "recompute" not in options:
+        options["recompute"] = (run.recompute,)
+    if run.zero_stage is not None and "zero_stages" not in options:
+        options["zero_stages"] = (run.zero_stage,)
+    shape = (run.tp, run.pp, run.dp)
     order = ("fits", "bubble too large", "TP across nodes", "out of memory")
     candidates = [
         lay
-        for lay in plan(model, cluster, batch, **options)
+        for lay in plan(published_model(run), published_cluster(run), run.global_batch, **options)
         if lay.shape == shape and lay.verdict != "invalid"
     ]
     candidates.sort(key=lambda lay: (order.index(lay.verdict), lay.step_seconds))

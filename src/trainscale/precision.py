@@ -148,8 +148,7 @@ def accumulation_trace(
         raise ValueError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
     n = _checks.count("steps", steps)
     size = _checks.positive("update", update)
-    if not isinstance(master, bool):
-        raise ValueError(f"master must be True or False, got {master!r}")
+    _checks.boolean("master", master)
     held = torch.float32 if master else dtype
     step = torch.tensor(size, dtype=held)
     weight = torch.tensor(1.0, dtype=held)

@@ -3,8 +3,11 @@
 :mod:`trainscale.memory` counts the bytes a GPU holds at each ZeRO stage. This
 module adds what chapter 05 needs on top of that:
 
-* bytes per parameter and communication per step of each stage, relative to
-  plain data parallelism (:func:`bytes_per_param`, :func:`zero_traffic`);
+* bytes per parameter and communication of each stage, per run of each
+  collective and per step of ``k`` micro-batches, relative to plain data
+  parallelism (:data:`ZERO_COLLECTIVES`, :func:`bytes_per_param`,
+  :func:`zero_collective_bytes`, :func:`zero_traffic`); the planner of chapter 13
+  takes its data-parallel bytes from here;
 * how FSDP2 (``torch.distributed.fsdp.fully_shard``) really cuts each tensor:
   along its first dimension, in ``ceil(rows / N)``-row chunks, the last ranks
   getting fewer rows or none (:func:`fsdp_shard_rows`, :func:`fsdp_state_bytes`);
@@ -21,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from trainscale import _checks
+from trainscale.collectives import ring_factor
 from trainscale.memory import BYTES_PER_PARAM, SHARDED_FROM_STAGE
 
 STAGE_NAMES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3 / FSDP"}
@@ -35,19 +39,6 @@ FP32_ADAM_BYTES_PER_PARAM: dict[str, int] = {
 """Bytes per parameter of plain fp32 training with Adam: 16, like bf16 mixed precision
 (:data:`trainscale.memory.BYTES_PER_PARAM`), but with no separate master copy and
 gradients twice as large."""
-
-_PASSES: dict[int, dict[str, int]] = {
-    0: {"all-reduce of gradients": 2},
-    1: {"reduce-scatter of gradients": 1, "all-gather of updated weights": 1},
-    2: {"reduce-scatter of gradients": 1, "all-gather of updated weights": 1},
-    3: {
-        "all-gather of weights, forward": 1,
-        "all-gather of weights, backward": 1,
-        "reduce-scatter of gradients": 1,
-    },
-}
-"""The collectives of one step at each stage, counted in ring passes: a reduce-scatter
-or an all-gather is one pass over the tensor, an all-reduce is both (two passes)."""
 
 
 def bytes_per_param(gpus: int, zero_stage: int) -> float:
@@ -66,35 +57,143 @@ def bytes_per_param(gpus: int, zero_stage: int) -> float:
     )
 
 
-def zero_traffic(
-    params: float, gpus: int, zero_stage: int, bytes_per_value: int = 2
-) -> dict[str, int]:
-    """Bytes one GPU sends in one training step, collective by collective.
+@dataclass(frozen=True)
+class ZeroCollective:
+    """One collective a ZeRO stage runs: its ``name``, ring ``kind`` (``"all-reduce"``,
+    ``"reduce-scatter"`` or ``"all-gather"``), whether it carries ``"gradients"`` or
+    ``"weights"``, whether it runs after every micro-batch (``per_micro_batch``) or once
+    per step, and the compute it can hide under (``hides_under``: ``"forward"`` or
+    ``"backward"``, which the planner of chapter 13 uses)."""
 
-    Ring algorithms (chapter 4): a reduce-scatter or an all-gather of ``params``
-    values over ``gpus`` GPUs moves ``gpus - 1`` shards of ``ceil(params / gpus)``
-    values out of each GPU; an all-reduce is one of each. ``bytes_per_value`` is 2
-    for bf16 gradients and weights. Stage 0 (DDP) all-reduces the gradients;
-    stages 1 and 2 reduce-scatter them and all-gather the updated weights (the same
-    volume); stage 3 all-gathers the weights twice (forward and backward) and
-    reduce-scatters the gradients: one pass more, 1.5 times DDP.
+    name: str
+    kind: str
+    carries: str
+    per_micro_batch: bool
+    hides_under: str
+
+
+ZERO_COLLECTIVES: dict[int, tuple[ZeroCollective, ...]] = {
+    0: (ZeroCollective("all-reduce of gradients", "all-reduce", "gradients", False, "backward"),),
+    1: (
+        ZeroCollective(
+            "reduce-scatter of gradients", "reduce-scatter", "gradients", False, "backward"
+        ),
+        ZeroCollective("all-gather of updated weights", "all-gather", "weights", False, "forward"),
+    ),
+    2: (
+        ZeroCollective(
+            "reduce-scatter of gradients", "reduce-scatter", "gradients", True, "backward"
+        ),
+        ZeroCollective("all-gather of updated weights", "all-gather", "weights", False, "forward"),
+    ),
+    3: (
+        ZeroCollective("all-gather of weights, forward", "all-gather", "weights", True, "forward"),
+        ZeroCollective(
+            "all-gather of weights, backward", "all-gather", "weights", True, "backward"
+        ),
+        ZeroCollective(
+            "reduce-scatter of gradients", "reduce-scatter", "gradients", True, "backward"
+        ),
+    ),
+}
+"""The collectives of one training step at each ZeRO stage, with ``k`` micro-batches
+(gradient accumulation):
+
+* DDP (stage 0, with ``no_sync`` while accumulating) all-reduces the summed gradients
+  once per step;
+* ZeRO-1 keeps whole gradients until the last micro-batch, then reduce-scatters them
+  and all-gathers the updated weights: once per step, the same volume as DDP;
+* ZeRO-2 keeps only its shard of the gradients, so it must reduce-scatter after
+  *every* micro-batch: ``k`` reduce-scatters and one all-gather;
+* ZeRO-3 keeps only shards of the weights too: it all-gathers them before every
+  forward and every backward and reduce-scatters the gradients, every micro-batch:
+  ``k x (2 all-gathers + 1 reduce-scatter)``."""
+
+
+def _stage(zero_stage: object) -> int:
+    return int(_checks.choice("zero_stage", zero_stage, tuple(STAGE_NAMES)))  # type: ignore[call-overload]
+
+
+def zero_collective_bytes(
+    params: float,
+    gpus: int,
+    zero_stage: int,
+    bytes_per_value: int = 2,
+    bytes_per_gradient: int | None = None,
+) -> dict[str, int]:
+    """Bytes one GPU sends in ONE run of each collective of a ZeRO stage.
+
+    Ring algorithms (chapter 04) over ``gpus`` GPUs on ``params`` values sharded into
+    ``gpus`` equal shards of ``ceil(params / gpus)`` (padded, as ZeRO and FSDP pad):
+    each GPU sends :func:`trainscale.collectives.ring_factor` of the padded tensor,
+    ``gpus - 1`` shards per pass. ``bytes_per_value`` is the size of a weight (2 for
+    bf16); ``bytes_per_gradient`` that of a gradient element as communicated (defaults
+    to ``bytes_per_value``; 4 if gradients are reduced in fp32). Keys: the names of
+    :data:`ZERO_COLLECTIVES` for the stage.
     """
     n = _checks.count("params", params)
     n_gpus = _checks.count("gpus", gpus, minimum=1)
-    stage = _checks.choice("zero_stage", zero_stage, tuple(STAGE_NAMES))
-    size = _checks.count("bytes_per_value", bytes_per_value, minimum=1)
-    per_pass = (n_gpus - 1) * math.ceil(n / n_gpus) * size
-    return {name: passes * per_pass for name, passes in _PASSES[stage].items()}
+    stage = _stage(zero_stage)
+    weight_size = _checks.count("bytes_per_value", bytes_per_value, minimum=1)
+    gradient_size = (
+        weight_size
+        if bytes_per_gradient is None
+        else _checks.count("bytes_per_gradient", bytes_per_gradient, minimum=1)
+    )
+    padded = n_gpus * math.ceil(n / n_gpus)
+    sizes = {"weights": weight_size, "gradients": gradient_size}
+    return {
+        c.name: round(ring_factor(n_gpus, c.kind) * padded * sizes[c.carries])
+        for c in ZERO_COLLECTIVES[stage]
+    }
 
 
-def traffic_relative_to_ddp(zero_stage: int) -> float:
-    """A stage's communication per step divided by DDP's: 1, 1, 1 and 1.5.
+def zero_traffic(
+    params: float,
+    gpus: int,
+    zero_stage: int,
+    bytes_per_value: int = 2,
+    micro_batches: int = 1,
+    bytes_per_gradient: int | None = None,
+) -> dict[str, int]:
+    """Bytes one GPU sends in one training step of ``micro_batches`` micro-batches.
 
-    The ratio of ring passes, the same for any model size and number of GPUs
-    (with one GPU nothing is sent at all, but the ratio of the work is the same).
+    Each collective of :data:`ZERO_COLLECTIVES` costs what :func:`zero_collective_bytes`
+    says per run, times ``micro_batches`` if it runs after every micro-batch. With
+    one micro-batch, stage 0 (DDP) all-reduces the gradients; stages 1 and 2
+    reduce-scatter them and all-gather the updated weights (the same volume); stage 3
+    all-gathers the weights twice (forward and backward) and reduce-scatters the
+    gradients: one pass more, 1.5 times DDP. With ``k`` micro-batches DDP and ZeRO-1
+    still send that once per step, ZeRO-2 sends ``k`` reduce-scatters and ZeRO-3
+    ``k`` times everything.
     """
-    stage = _checks.choice("zero_stage", zero_stage, tuple(STAGE_NAMES))
-    return sum(_PASSES[stage].values()) / sum(_PASSES[0].values())
+    runs = zero_collective_bytes(params, gpus, zero_stage, bytes_per_value, bytes_per_gradient)
+    k = _checks.count("micro_batches", micro_batches, minimum=1)
+    return {
+        c.name: runs[c.name] * (k if c.per_micro_batch else 1)
+        for c in ZERO_COLLECTIVES[_stage(zero_stage)]
+    }
+
+
+def _passes(stage: int, micro_batches: int) -> int:
+    """Ring passes over the whole tensor in one step: 1 for RS or AG, 2 for an all-reduce."""
+    return sum(
+        (2 if c.kind == "all-reduce" else 1) * (micro_batches if c.per_micro_batch else 1)
+        for c in ZERO_COLLECTIVES[stage]
+    )
+
+
+def traffic_relative_to_ddp(zero_stage: int, micro_batches: int = 1) -> float:
+    """A stage's communication per step divided by DDP's.
+
+    With one micro-batch: 1, 1, 1 and 1.5. With ``k`` micro-batches: 1, 1,
+    ``(k + 1) / 2`` and ``3 k / 2``. The ratio of ring passes, the same for any model
+    size and number of GPUs (with one GPU nothing is sent at all, but the ratio of
+    the work is the same).
+    """
+    stage = _stage(zero_stage)
+    k = _checks.count("micro_batches", micro_batches, minimum=1)
+    return _passes(stage, k) / _passes(0, k)
 
 
 # --- How FSDP2 cuts a tensor -------------------------------------------------------
@@ -194,8 +293,7 @@ def fsdp_moments(layers: int, prefetch: bool = True) -> list[FsdpMoment]:
     rank updates its own shards. ``2 * layers + 1`` moments in all.
     """
     n = _checks.count("layers", layers, minimum=1)
-    if not isinstance(prefetch, bool):
-        raise ValueError(f"prefetch must be True or False, got {prefetch!r}")
+    _checks.boolean("prefetch", prefetch)
     moments = [FsdpMoment("forward", i, frozenset({i}), (i,), ()) for i in range(n)]
     for i in reversed(range(n)):
         ahead = (i - 1,) if prefetch and i > 0 else ()

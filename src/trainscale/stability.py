@@ -6,9 +6,13 @@ loss is known exactly (:func:`best_possible_loss`), so "trained" has a number
 attached.
 :func:`train` runs it with the book's schedule (:func:`trainscale.schedule.learning_rate`),
 with or without warmup and gradient clipping, and returns the loss, the
-gradient norm and the learning rate of every step. Runs are deterministic: the
-data, the weights and the order of every operation come from seeds, and the
-run uses one CPU thread.
+gradient norm and the learning rate of every step. Runs are deterministic and
+the same on every CPU: the data and the weights come from seeds (drawn in
+float64), every step is computed in float64 on one thread and its result
+rounded once to fp32 values (:func:`model`), so the last-bit differences
+between CPUs' kernels (about 1e-16) almost never change a stored weight.
+Without that rounding they would: a run at a learning rate this high is
+chaotic, and a difference of 1e-16 grows to the first printed digit.
 
 :func:`decay_comparison` shows, with PyTorch's own optimisers, why Adam with
 an L2 penalty is not Adam with weight decay (Loshchilov and Hutter,
@@ -27,12 +31,22 @@ import torch
 
 from trainscale import _checks
 from trainscale.schedule import learning_rate
-from trainscale.transformer import GPTConfig, gpt
+from trainscale.transformer import GPT, GPTConfig, gpt
 
 CONFIG = GPTConfig(vocab=32, context=32, d_model=32, layers=2, heads=2)
 """The model of chapter 10's runs: 2 layers of width 32, a vocabulary of 32 tokens."""
 
 OPTIMIZERS = ("sgd", "adamw")
+
+LOSS_LIMIT = 100.0
+"""Nats per token beyond which a run has diverged and is stopped.
+
+A uniform guess over chapter 10's 32 tokens scores ln 32 = 3.47; a model 100
+nats per token worse is confidently, absurdly wrong. A run that gets there
+is blowing up: in float64 it would take many more steps to overflow, and
+those last steps are chaotic (the step at which the loss becomes inf differs
+between CPUs), so, like a run monitor, :func:`train` does not wait for inf.
+"""
 
 
 def transition_matrix(vocab: int = 32, seed: int = 0, sharpness: float = 3.0) -> torch.Tensor:
@@ -115,8 +129,8 @@ class Run:
 
     ``grad_norms`` are global gradient norms *before* clipping (what a run
     should log); ``lrs`` the learning rate each step used. A run stops at the
-    first step whose loss is not finite (that loss is kept), so a diverged run
-    is shorter than the ``steps`` it asked for.
+    first step whose loss is not finite or above :data:`LOSS_LIMIT` (that loss
+    is kept), so a diverged run is shorter than the ``steps`` it asked for.
     """
 
     losses: tuple[float, ...]
@@ -126,8 +140,8 @@ class Run:
 
     @property
     def diverged(self) -> bool:
-        """True if the loss became inf or NaN."""
-        return not math.isfinite(self.losses[-1])
+        """True if the loss became inf or NaN, or passed :data:`LOSS_LIMIT`."""
+        return not self.losses[-1] <= LOSS_LIMIT
 
     def final_loss(self, last: int = 20) -> float:
         """Mean loss of the ``last`` steps (inf if the run diverged)."""
@@ -146,6 +160,29 @@ def _one_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+def _round_to_fp32(params: Sequence[torch.Tensor]) -> None:
+    """Round float64 ``params`` in place to the nearest fp32 values (exactly
+    representable in float64), the same on every CPU."""
+    with torch.no_grad():
+        for p in params:
+            p.copy_(p.float())
+
+
+def model(config: GPTConfig = CONFIG, seed: int = 0) -> GPT:
+    """The model :func:`train` starts from: ``gpt(config, seed)`` drawn and held
+    in float64 (its arithmetic is float64), each weight rounded to fp32.
+
+    Draws in float64 are the same on every CPU; fp32 values keep the weights
+    on a grid 2**29 times coarser than float64's rounding, so a kernel's
+    last-bit difference in a step almost never moves a weight to another value.
+    """
+    if not isinstance(config, GPTConfig):
+        raise ValueError(f"config must be a GPTConfig, got {type(config).__name__}")
+    fresh = gpt(config, _checks.count("seed", seed), dtype=torch.float64)
+    _round_to_fp32(list(fresh.parameters()))
+    return fresh
 
 
 def train(
@@ -168,6 +205,9 @@ def train(
     ``optimizer`` is ``"sgd"`` (momentum 0.9) or ``"adamw"`` (betas 0.9, 0.95,
     no weight decay). ``seed`` fixes the weights, the chain and the data;
     every batch is fresh text (``batch`` sequences of ``config.context`` tokens).
+    The model is :func:`model`'s: every step is computed in float64 and the
+    weights are rounded to fp32 values after it, so a run is the same on every
+    CPU. It stops early if its loss is not finite or above :data:`LOSS_LIMIT`.
     """
     lr_peak = _checks.positive("peak", peak)
     n_steps = _checks.count("steps", steps, minimum=1)
@@ -183,8 +223,8 @@ def train(
     data = sample_batches(chain, n_steps, batch, config.context, seed + 1)
     losses, norms, lrs = [], [], []
     with _one_thread():
-        model = gpt(config, seed)
-        params = list(model.parameters())
+        net = model(config, seed)
+        params = list(net.parameters())
         if kind == "sgd":
             opt = torch.optim.SGD(params, lr=lr_peak, momentum=0.9)
         else:
@@ -193,16 +233,17 @@ def train(
             lr = learning_rate(step, lr_peak, w, n_steps)
             for group in opt.param_groups:
                 group["lr"] = lr
-            loss = model.loss(tokens[:, :-1], tokens[:, 1:])
+            loss = net.loss(tokens[:, :-1], tokens[:, 1:])
             opt.zero_grad()
             loss.backward()
             norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
             losses.append(loss.item())
             norms.append(norm.item())
             lrs.append(lr)
-            if not math.isfinite(losses[-1]):
+            if not losses[-1] <= LOSS_LIMIT:  # inf, NaN or above the limit
                 break
             opt.step()
+            _round_to_fp32(params)
     return Run(tuple(losses), tuple(norms), tuple(lrs), n_steps)
 
 

@@ -1,6 +1,8 @@
 """The capstone of chapter 13: a small GPT trained on several processes, restartably.
 
-One script puts the book's techniques together: data parallelism (``--parallel
+The model is the book's decoder (:mod:`trainscale.transformer`) with fused
+attention and an untied head. One script puts the book's techniques together:
+data parallelism (``--parallel
 ddp``) or fully sharded data parallelism (``--parallel fsdp``, FSDP2's
 ``fully_shard``), activation checkpointing, bf16 autocast, gradient
 accumulation, warmup plus cosine decay, global-norm clipping, a log of loss,
@@ -10,7 +12,7 @@ from after a crash. Two CPU processes on a laptop (gloo)::
     GLOO_SOCKET_IFNAME=lo TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 \\
     torchrun --nnodes=1 --nproc-per-node=2 --rdzv-backend=c10d \\
         --rdzv-endpoint=127.0.0.1:29500 --max-restarts=1 \\
-        -m trainscale.train --parallel fsdp --ckpt-dir /tmp/tinygpt
+        -m trainscale.train --parallel fsdp --ckpt-dir /tmp/capstone
 
 The same command with ``--nproc-per-node=8`` on a node with eight GPUs runs on
 NCCL, one GPU per process (:func:`trainscale.distributed.backend_and_device`).
@@ -40,7 +42,6 @@ import contextlib
 import math
 import os
 import shutil
-import socket
 import sys
 import time
 from pathlib import Path
@@ -60,8 +61,8 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.nn import functional as F
 
 from trainscale import _checks, compute, schedule
-from trainscale.distributed import LOOPBACK, backend_and_device
-from trainscale.tinygpt import GPTConfig, TinyGPT, matmul_weights, total_params
+from trainscale.distributed import backend_and_device, torchrun_main
+from trainscale.transformer import GPTConfig, gpt, matmul_weights, parameter_counts
 
 FAIL_EXIT_CODE = 17
 """Exit status of the rank that ``--fail-at-step`` makes crash."""
@@ -122,10 +123,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if _checks.count("--warmup", args.warmup) >= args.steps:
         raise ValueError(f"--warmup must be in [0, --steps) = [0, {args.steps}), got {args.warmup}")
     _checks.fraction("--lr-floor", args.lr_floor)
-    if not 0 <= args.weight_decay < math.inf:
-        raise ValueError(f"--weight-decay must be a finite number >= 0, got {args.weight_decay}")
-    if not 0 <= args.clip < math.inf:
-        raise ValueError(f"--clip must be a finite number >= 0 (0: no clipping), got {args.clip}")
+    _checks.non_negative("--weight-decay", args.weight_decay)
+    _checks.non_negative("--clip", args.clip)  # 0: no clipping
     _checks.count("--seed", args.seed)
     _checks.count("--vocab", args.vocab, minimum=2)
     _checks.count("--seq-len", args.seq_len, minimum=1)
@@ -149,8 +148,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def model_config(args: argparse.Namespace) -> GPTConfig:
-    """The model the arguments describe."""
-    return GPTConfig(args.vocab, args.seq_len, args.width, args.heads, args.layers)
+    """The model the arguments describe: fused attention (``scaled_dot_product_attention``),
+    an untied head, no dropout, and each block recomputed in backward if
+    ``--checkpoint-activations``."""
+    return GPTConfig(
+        vocab=args.vocab,
+        context=args.seq_len,
+        d_model=args.width,
+        layers=args.layers,
+        heads=args.heads,
+        tied=False,
+        attention="sdpa",
+        recompute="full" if args.checkpoint_activations else "none",
+    )
 
 
 # --------------------------------------------------------------------------- data
@@ -327,9 +337,7 @@ def build(
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """The model (the same initial weights on every rank), wrapped for ``--parallel``,
     and its AdamW optimiser (weight decay on every parameter, for simplicity)."""
-    torch.manual_seed(args.seed)
-    model = TinyGPT(model_config(args)).to(device)
-    model.checkpoint_activations = args.checkpoint_activations
+    model = gpt(model_config(args), seed=args.seed).to(device)
     if args.parallel == "ddp":
         ids = [device] if device.type == "cuda" else None
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
@@ -401,10 +409,11 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
     }
     state = TrainState(model, optimizer, progress)
     params = matmul_weights(config)  # the N of 6N FLOPs per token
+    every_param = sum(parameter_counts(config).values())
     ranks = f"{world_size} rank{'s' * (world_size != 1)} ({dist.get_backend()}, {device.type})"
     _say(
         rank,
-        f"model: {total_params(config):,} parameters ({params:,} in matrix products); "
+        f"model: {every_param:,} parameters ({params:,} in matrix products); "
         f"{ranks}, --parallel {args.parallel}; global batch {batch_rows} sequences "
         f"x {args.seq_len} tokens = {tokens_per_step(args, world_size):,} tokens",
     )
@@ -494,56 +503,11 @@ def worker(rank: int, world_size: int, argv: list[str] | None = None) -> dict:
     return train(args, rank, world_size, backend_and_device(local)[1])
 
 
-def join_job() -> tuple[int, int]:
-    """Join the job ``torchrun`` described in the environment; return ``(rank, world size)``.
-
-    ``torchrun`` tells each process ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and
-    where the job's key-value store is (``MASTER_ADDR``, ``MASTER_PORT``). When
-    that is this machine's loopback address and the processes do not share
-    torchrun's own store (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``), rank 0
-    hosts the store on a socket bound to 127.0.0.1 (a ``TCPStore`` given an
-    address still listens on every interface) and gloo is kept on the loopback
-    interface; on a cluster this is the standard ``env://`` rendezvous.
-    (``torchrun``'s own rendezvous store, in the launcher, listens on every
-    interface; that part is beyond this script's reach.)
-    """
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    backend, dev = backend_and_device(int(os.environ.get("LOCAL_RANK", rank)))
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-    address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    on_this_machine = address in (LOOPBACK, "localhost")
-    if on_this_machine:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    if not on_this_machine or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        dist.init_process_group(backend)  # env://: the store named by MASTER_ADDR/PORT
-        return rank, world_size
-    listener = None
-    if rank == 0:
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((LOOPBACK, port))
-        listener.listen(128)
-    store = dist.TCPStore(
-        LOOPBACK,
-        port,
-        world_size,
-        is_master=rank == 0,
-        master_listen_fd=listener.detach() if listener else None,
-        use_libuv=False,
-    )
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
-    return rank, world_size
-
-
 def main(argv: list[str] | None = None) -> dict:
-    """Entry point under ``torchrun``: check the arguments, join the job, train."""
+    """Entry point under ``torchrun``: check the arguments, join the job
+    (:func:`trainscale.distributed.torchrun_main`), train."""
     parse_args(argv)  # a bad argument stops every rank before they meet
-    rank, world_size = join_job()
-    try:
-        return worker(rank, world_size, argv)
-    finally:
-        dist.destroy_process_group()
+    return torchrun_main(worker, argv)
 
 
 if __name__ == "__main__":

@@ -1,17 +1,29 @@
-"""A minimal GPT-style decoder, small enough to train on a CPU (chapters 10 and 11).
+"""The book's one GPT-style decoder: its attention, its block, its model (chapters 09-13).
 
 The model is the usual stack: token and position embeddings, ``layers`` pre-LN
 blocks (layer norm, causal multi-head self-attention, residual add; layer norm,
 MLP, residual add), a final layer norm and a linear head onto the vocabulary,
-whose weight may be *tied* to the token embedding. Attention is written out as
-two matrix products (scores ``q @ k^T`` and the weighted sum ``p @ v``) rather
-than a fused kernel, so that :class:`torch.utils.flop_counter.FlopCounterMode`
-sees every FLOP of it (in torch 2.13 it counts 0 for the CPU kernel of
-``scaled_dot_product_attention``).
+whose weight may be *tied* to the token embedding. :class:`GPTConfig` holds
+its shape and the switches the chapters turn:
 
-:func:`parameter_counts` gives the exact number of parameters of each part
-without building the model; :func:`matmul_weights` the weights that take part
-in a matrix product for every token, which is the ``N`` of ``6N`` FLOPs per token.
+- ``attention="naive"`` writes attention out as two matrix products (scores
+  ``q @ k^T`` and the weighted sum ``p @ v``) with an explicit softmax, so that
+  :class:`torch.utils.flop_counter.FlopCounterMode` sees every FLOP of it (in
+  torch 2.13 it counts 0 for the CPU kernel of ``scaled_dot_product_attention``)
+  and autograd keeps the score tables Korthikanti et al. count (chapters 09-11);
+  ``"sdpa"`` calls ``F.scaled_dot_product_attention``, which may pick a fused
+  kernel that keeps no score table (chapters 09 and 13);
+- ``dropout`` and ``fused_dropout``: dropout on the attention probabilities and
+  on each residual branch, as the CPU runs it or as a GPU kernel does (chapter 09);
+- ``recompute``: activation checkpointing, of each block's attention core
+  (``"selective"``, chapter 09) or of each whole block (``"full"``, chapter 13);
+- ``tied``: the head reuses the token embedding's weight.
+
+:func:`attend` is the attention formula itself, which the tensor-parallel
+demonstrations of chapter 06 reuse. :func:`parameter_counts` gives the exact
+number of parameters of each part without building the model;
+:func:`matmul_weights` the weights that take part in a matrix product for every
+token, which is the ``N`` of ``6N`` FLOPs per token.
 """
 
 from __future__ import annotations
@@ -22,18 +34,31 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 
 from trainscale import _checks
+
+ATTENTION = ("naive", "sdpa")
+"""Ways to compute attention: the explicit softmax, or ``scaled_dot_product_attention``."""
+
+RECOMPUTE = ("none", "selective", "full")
+"""Activation checkpointing: none, each block's attention core, or each whole block."""
 
 
 @dataclass(frozen=True)
 class GPTConfig:
-    """The shape of a :class:`GPT`.
+    """The shape of a :class:`GPT` and how it runs.
 
     ``vocab`` tokens, sequences of up to ``context`` tokens, width ``d_model``,
     ``layers`` blocks of ``heads`` attention heads (``d_model`` must divide by
     ``heads``), an MLP of ``d_ff`` hidden features (``4 * d_model`` when left at
-    0), and a head tied to the token embedding when ``tied``.
+    0), and a head tied to the token embedding when ``tied``. ``attention`` is one
+    of :data:`ATTENTION`, ``recompute`` one of :data:`RECOMPUTE` (``"selective"``
+    needs ``attention="naive"``: the fused kernel keeps no score table to save).
+    ``dropout`` in ``[0, 1)`` is applied in training mode to the attention
+    probabilities and to the output of each residual branch;
+    ``fused_dropout=True`` runs it as ``torch.native_dropout``, which keeps a
+    1-byte mask per element, as on a GPU, instead of one in the activations' dtype.
     """
 
     vocab: int = 64
@@ -43,6 +68,10 @@ class GPTConfig:
     heads: int = 4
     d_ff: int = 0
     tied: bool = True
+    attention: str = "naive"
+    dropout: float = 0.0
+    fused_dropout: bool = False
+    recompute: str = "none"
 
     def __post_init__(self) -> None:
         for name in ("vocab", "context", "d_model", "layers", "heads"):
@@ -50,8 +79,16 @@ class GPTConfig:
         _checks.count("d_ff", self.d_ff)
         if self.d_model % self.heads:
             raise ValueError(f"heads must divide d_model = {self.d_model}, got {self.heads!r}")
-        if not isinstance(self.tied, bool):
-            raise ValueError(f"tied must be True or False, got {self.tied!r}")
+        _checks.boolean("tied", self.tied)
+        _checks.choice("attention", self.attention, ATTENTION)
+        if _checks.fraction("dropout", self.dropout) == 1.0:
+            raise ValueError(f"dropout must be a number in [0, 1), got {self.dropout!r}")
+        _checks.boolean("fused_dropout", self.fused_dropout)
+        _checks.choice("recompute", self.recompute, RECOMPUTE)
+        if self.recompute == "selective" and self.attention != "naive":
+            raise ValueError(
+                f"recompute='selective' needs attention='naive', got {self.attention!r}"
+            )
 
     @property
     def hidden(self) -> int:
@@ -59,32 +96,113 @@ class GPTConfig:
         return self.d_ff or 4 * self.d_model
 
 
+def _check_config(config: object) -> GPTConfig:
+    if not isinstance(config, GPTConfig):
+        raise ValueError(f"config must be a GPTConfig, got {type(config).__name__}")
+    return config
+
+
+# --- attention ---------------------------------------------------------------------------
+
+
+def dropout(x: torch.Tensor, p: float, training: bool, fused: bool = False) -> torch.Tensor:
+    """Dropout with probability ``p`` in training mode, as ``F.dropout`` runs it here
+    or (``fused=True``) as the fused kernel does; ``x`` itself otherwise.
+
+    On the CPU ``F.dropout`` multiplies by a mask of the input's own dtype and
+    autograd saves that mask (2 bytes per element in bf16). On a GPU it calls
+    ``torch.native_dropout``, whose saved mask is a bool tensor: 1 byte per
+    element. ``fused=True`` calls ``native_dropout`` on any device.
+    """
+    if not training or p == 0.0:
+        return x
+    if fused:
+        return torch.native_dropout(x, p, True)[0]
+    return F.dropout(x, p, training=True)
+
+
+def causal_mask(seq: int, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
+    """``seq x seq``: 0 where token ``t`` may look (tokens ``0..t``), ``-inf`` above.
+
+    Added to the scores rather than written in with ``masked_fill``, so autograd
+    keeps no mask for backward (adding a constant needs nothing saved).
+    """
+    future = torch.ones(seq, seq, dtype=torch.bool, device=device).triu(1)
+    return torch.zeros(seq, seq, dtype=dtype, device=device).masked_fill(future, float("-inf"))
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    kind: str = "naive",
+    dropout_p: float = 0.0,
+    training: bool = False,
+    fused_dropout: bool = False,
+) -> torch.Tensor:
+    """Scaled dot-product attention over ``(..., heads, seq, head width)`` tensors.
+
+    ``softmax(q k^T / sqrt(head width) + mask) v``, with the causal mask of
+    :func:`causal_mask` when ``causal`` and dropout of probability ``dropout_p`` on the
+    probabilities in ``training`` mode. ``kind="naive"`` writes it out, so autograd
+    keeps the softmax output (and, after dropout, its mask and the dropped-out
+    probabilities), each ``heads x seq x seq`` per sequence; ``kind="sdpa"`` calls
+    ``F.scaled_dot_product_attention`` (``fused_dropout`` does not apply to it).
+    """
+    _checks.choice("kind", kind, ATTENTION)
+    if kind == "sdpa":
+        return F.scaled_dot_product_attention(
+            q, k, v, dropout_p=dropout_p if training else 0.0, is_causal=causal
+        )
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if causal:
+        scores = scores + causal_mask(scores.shape[-1], scores.dtype, scores.device)
+    return dropout(scores.softmax(dim=-1), dropout_p, training, fused_dropout) @ v
+
+
 class CausalSelfAttention(nn.Module):
-    """Multi-head self-attention in which token ``t`` sees tokens ``0..t`` only."""
+    """Multi-head self-attention in which token ``t`` sees tokens ``0..t`` only.
+
+    One ``qkv`` projection (``d_model -> 3 d_model``: queries, keys, values, each
+    ``heads`` slices of ``d_model / heads`` features), :func:`attend`, and the
+    output projection ``proj``.
+    """
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.heads = config.heads
+        self.config = config
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
         self.proj = nn.Linear(config.d_model, config.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, width = x.shape
+        c = self.config
         q, k, v = self.qkv(x).split(width, dim=-1)
         # (batch, seq, width) -> (batch, heads, seq, head width)
-        q, k, v = (t.view(batch, seq, self.heads, -1).transpose(1, 2) for t in (q, k, v))
-        scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
-        future = torch.ones(seq, seq, dtype=torch.bool, device=x.device).triu(1)
-        weights = F.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
-        out = (weights @ v).transpose(1, 2).reshape(batch, seq, width)
-        return self.proj(out)
+        q, k, v = (t.view(batch, seq, c.heads, -1).transpose(1, 2) for t in (q, k, v))
+        options = {
+            "kind": c.attention,
+            "dropout_p": c.dropout,
+            "training": self.training,
+            "fused_dropout": c.fused_dropout,
+        }
+        if c.recompute == "selective":  # Korthikanti et al.'s selective recomputation
+            out = checkpoint(attend, q, k, v, use_reentrant=False, **options)
+        else:
+            out = attend(q, k, v, **options)
+        return self.proj(out.transpose(1, 2).reshape(batch, seq, width))
 
 
 class Block(nn.Module):
-    """One pre-LN block: ``x + attention(norm(x))``, then ``x + mlp(norm(x))``."""
+    """One pre-LN block: ``x + dropout(attention(norm(x)))``, then
+    ``x + dropout(mlp(norm(x)))``, on ``(batch, seq, d_model)``; the MLP is
+    ``d_model -> hidden``, GELU, ``hidden -> d_model``."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
+        self.config = _check_config(config)
         self.norm1 = nn.LayerNorm(config.d_model)
         self.attention = CausalSelfAttention(config)
         self.norm2 = nn.LayerNorm(config.d_model)
@@ -94,17 +212,25 @@ class Block(nn.Module):
             nn.Linear(config.hidden, config.d_model),
         )
 
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        return dropout(x, self.config.dropout, self.training, self.config.fused_dropout)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
+        x = x + self._dropout(self.attention(self.norm1(x)))
+        return x + self._dropout(self.mlp(self.norm2(x)))
 
 
 class GPT(nn.Module):
-    """A GPT-style decoder: ``tokens`` of shape (batch, seq) -> logits (batch, seq, vocab)."""
+    """A GPT-style decoder: ``tokens`` of shape (batch, seq) -> logits (batch, seq, vocab).
+
+    With ``recompute="full"`` each block runs under ``torch.utils.checkpoint``
+    when gradients are on: forward keeps only the block's input, and backward
+    runs the block again.
+    """
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.config = config
+        self.config = _check_config(config)
         self.token_embedding = nn.Embedding(config.vocab, config.d_model)
         self.position_embedding = nn.Embedding(config.context, config.d_model)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.layers))
@@ -115,14 +241,15 @@ class GPT(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         seq = tokens.shape[-1]
-        if seq > self.config.context:
+        if not 1 <= seq <= self.config.context:
             raise ValueError(
-                f"tokens must hold at most context = {self.config.context} positions, got {seq}"
+                f"tokens must hold 1 to context = {self.config.context} positions, got {seq}"
             )
         positions = torch.arange(seq, device=tokens.device)
         x = self.token_embedding(tokens) + self.position_embedding(positions)
+        recompute = self.config.recompute == "full" and torch.is_grad_enabled()
         for block in self.blocks:
-            x = block(x)
+            x = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
         return self.head(self.final_norm(x))
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -131,21 +258,24 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.flatten(0, -2), targets.flatten())
 
 
-def gpt(config: GPTConfig, seed: int = 0) -> GPT:
+def gpt(config: GPTConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> GPT:
     """A freshly initialised :class:`GPT`, the same for the same ``seed``.
 
     GPT-2's initialisation: every weight matrix and embedding drawn from
     N(0, 0.02²), biases zero, and the two projections that write into the
     residual stream (attention's ``proj`` and the MLP's second layer) scaled
     down by ``sqrt(2 * layers)``, so the residual stream does not grow with depth.
+    The weights are drawn in ``dtype``: float32 draws can differ in the last bit
+    between CPUs, float64 draws are the same on every CPU (chapter 10 uses them).
     The global random state is left untouched.
     """
-    if not isinstance(config, GPTConfig):
-        raise ValueError(f"config must be a GPTConfig, got {type(config).__name__}")
+    _check_config(config)
     seed = _checks.count("seed", seed)
+    if dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype!r}")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = GPT(config)
+        model = GPT(config).to(dtype)
         residual_std = 0.02 / math.sqrt(2 * config.layers)
         for name, param in model.named_parameters():
             if name.endswith("bias"):
@@ -168,8 +298,7 @@ def parameter_counts(config: GPTConfig) -> dict[str, int]:
     ``"head"`` (0 when tied: it reuses the token embedding). The values add up
     to ``sum(p.numel() for p in model.parameters())``.
     """
-    if not isinstance(config, GPTConfig):
-        raise ValueError(f"config must be a GPTConfig, got {type(config).__name__}")
+    _check_config(config)
     d, hidden, layers = config.d_model, config.hidden, config.layers
     return {
         "token embedding": config.vocab * d,
@@ -198,7 +327,6 @@ def matmul_weights(config: GPTConfig) -> int:
     norms are not matrix products. Each of these weights costs 2 FLOPs per token
     forward and 4 backward.
     """
-    if not isinstance(config, GPTConfig):
-        raise ValueError(f"config must be a GPTConfig, got {type(config).__name__}")
+    _check_config(config)
     d = config.d_model
     return config.layers * 2 * d * (2 * d + config.hidden) + d * config.vocab

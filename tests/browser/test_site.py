@@ -76,29 +76,6 @@ def _open(browser, url: str, base: str):
     return page, visit
 
 
-@pytest.mark.parametrize("path", PAGES)
-def test_page_loads_everything_from_this_site(browser, site_url, path):
-    page, visit = _open(browser, f"{site_url}/{path}", site_url)
-    try:
-        page.wait_for_timeout(500)  # let MathJax and the widget manager settle
-        assert visit.failed == [], "failed requests"
-        assert visit.external == [], "requests to other sites"
-        assert visit.errors == [], "console errors"
-        broken = page.evaluate(
-            "() => Array.from(document.images)"
-            ".filter(i => !(i.complete && i.naturalWidth > 0)).map(i => i.src)"
-        )
-        assert broken == [], "images that did not load"
-        math = page.locator("span.math, div.math").count()
-        typeset = page.locator("mjx-container").count()
-        assert typeset >= math, f"{math} formulas on the page, {typeset} typeset"
-        if path.startswith("notebooks/"):
-            SCREENSHOTS.mkdir(exist_ok=True)
-            page.screenshot(path=str(SCREENSHOTS / f"{Path(path).stem}.png"))
-    finally:
-        page.close()
-
-
 def _visible_figure(slider_box) -> str:
     """The accessible label and drawing of the figure a widget shows right now."""
     return slider_box.evaluate(
@@ -110,30 +87,57 @@ def _visible_figure(slider_box) -> str:
     )
 
 
-@pytest.mark.parametrize("path", [p for p in PAGES if p.startswith("notebooks/")])
-def test_every_slider_changes_its_figure_without_a_kernel(browser, site_url, path):
-    page, _ = _open(browser, f"{site_url}/{path}", site_url)
+def _check_loaded(page, visit: Visit) -> None:
+    """No failed or outside request, no console error of ours, images and math rendered."""
+    assert visit.failed == [], "failed requests"
+    assert visit.external == [], "requests to other sites"
+    assert visit.errors == [], "console errors"
+    broken = page.evaluate(
+        "() => Array.from(document.images)"
+        ".filter(i => !(i.complete && i.naturalWidth > 0)).map(i => i.src)"
+    )
+    assert broken == [], "images that did not load"
+    math = page.locator("span.math, div.math").count()
+    typeset = page.locator("mjx-container").count()
+    assert typeset >= math, f"{math} formulas on the page, {typeset} typeset"
+
+
+def _check_sliders(page) -> None:
+    """Every slider, moved with the keyboard (End, Home, ArrowRight), changes its figure."""
+    page.wait_for_selector('[role="slider"]', timeout=15_000)
+    boxes = page.locator(".widget-vbox:has(> .widget-slider)")
+    assert boxes.count() >= 1, "every chapter has at least one widget"
+    for b in range(boxes.count()):
+        box = boxes.nth(b)
+        handles = box.locator('[role="slider"]')
+        for h in range(handles.count()):
+            handle = handles.nth(h)
+            name = handle.get_attribute("aria-label")
+            assert name, "every slider has an accessible name"
+            before = _visible_figure(box)
+            assert before, f"widget {b} shows no figure"
+            handle.focus()
+            handle.press("End")
+            end = _visible_figure(box)
+            handle.press("Home")
+            home = _visible_figure(box)
+            assert end != home, f"slider '{name}' did not change the figure"
+            handle.press("ArrowRight")
+            assert _visible_figure(box) != home, f"arrow key on '{name}' changed nothing"
+
+
+@pytest.mark.parametrize("path", PAGES)
+def test_page_loads_from_this_site_and_its_sliders_work_without_a_kernel(browser, site_url, path):
+    """One visit per page: everything loads from this site, then every slider is moved."""
+    page, visit = _open(browser, f"{site_url}/{path}", site_url)
     try:
-        page.wait_for_selector('[role="slider"]', timeout=15_000)
-        boxes = page.locator(".widget-vbox:has(> .widget-slider)")
-        assert boxes.count() >= 1, "every chapter has at least one widget"
-        for b in range(boxes.count()):
-            box = boxes.nth(b)
-            handles = box.locator('[role="slider"]')
-            for h in range(handles.count()):
-                handle = handles.nth(h)
-                name = handle.get_attribute("aria-label")
-                assert name, "every slider has an accessible name"
-                before = _visible_figure(box)
-                assert before, f"widget {b} shows no figure"
-                handle.focus()
-                handle.press("End")
-                end = _visible_figure(box)
-                handle.press("Home")
-                home = _visible_figure(box)
-                assert end != home, f"slider '{name}' did not change the figure"
-                handle.press("ArrowRight")
-                assert _visible_figure(box) != home, f"arrow key on '{name}' changed nothing"
+        page.wait_for_timeout(500)  # let MathJax and the widget manager settle
+        _check_loaded(page, visit)
+        if path.startswith("notebooks/"):
+            SCREENSHOTS.mkdir(exist_ok=True)
+            page.screenshot(path=str(SCREENSHOTS / f"{Path(path).stem}.png"))
+            _check_sliders(page)
+            assert visit.errors == [], "console errors after moving the sliders"
     finally:
         page.close()
 

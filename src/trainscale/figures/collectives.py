@@ -12,24 +12,12 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
 from trainscale.collectives import RingStep
-from trainscale.figures.style import PALETTE, STYLE, BookFigure
+from trainscale.figures.style import INK, PALETTE, PARTIAL_GREY, RANK_COLOURS, STYLE, BookFigure
 
-RANK_COLOURS = [
-    PALETTE["blue"],
-    PALETTE["orange"],
-    PALETTE["green"],
-    PALETTE["purple"],
-    PALETTE["sky"],
-    PALETTE["yellow"],
-    PALETTE["red"],
-    PALETTE["grey"],
-]
-"""One colour per rank (up to 8), for data that came from that rank alone."""
-
-SUM_COLOUR = "#333333"
+SUM_COLOUR = INK
 """Data summed over every rank."""
 
-PARTIAL_COLOUR = "#b8b8b8"
+PARTIAL_COLOUR = PARTIAL_GREY
 """Data summed over some ranks but not yet all."""
 
 

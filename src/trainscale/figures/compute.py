@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
-from trainscale.figures.style import PALETTE, STYLE, new_figure
+from trainscale.figures.style import LIGHT_GREY, MUTED_INK, PALETTE, STYLE, TABLE_HEADER, new_figure
 
 PART_COLOURS = [PALETTE["blue"], PALETTE["sky"], PALETTE["orange"], PALETTE["purple"]]
 
@@ -74,11 +74,11 @@ def budget_table(
         table.auto_set_column_width(list(range(len(header))))
         table.scale(1.2, 1.4)
         for (row, _), cell in table.get_celld().items():
-            cell.set_edgecolor("#dddddd")
+            cell.set_edgecolor(LIGHT_GREY)
             if row == 0:
                 cell.set_text_props(fontweight="bold")
-                cell.set_facecolor("#f2f2f2")
+                cell.set_facecolor(TABLE_HEADER)
         ax.set_title(title)
         if note:
-            fig.text(0.5, 0.02, note, ha="center", va="bottom", fontsize=9, color="#555555")
+            fig.text(0.5, 0.02, note, ha="center", va="bottom", fontsize=9, color=MUTED_INK)
     return fig

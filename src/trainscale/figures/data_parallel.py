@@ -7,8 +7,7 @@ from collections.abc import Sequence
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
-from trainscale.figures.collectives import RANK_COLOURS
-from trainscale.figures.style import STYLE, BookFigure
+from trainscale.figures.style import RANK_COLOURS, STYLE, BookFigure
 
 
 def _error_text(error: float) -> str:

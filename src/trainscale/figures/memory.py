@@ -7,14 +7,7 @@ from collections.abc import Mapping, Sequence
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
-from trainscale.figures.style import PALETTE, STYLE, new_figure
-
-MEMORY_COLOURS = {
-    "weights": PALETTE["blue"],
-    "gradients": PALETTE["orange"],
-    "optimiser state": PALETTE["purple"],
-    "activations": PALETTE["green"],
-}
+from trainscale.figures.style import MEMORY_COLOURS, PALETTE, STYLE, new_figure
 
 
 def memory_stack(parts_gib: Mapping[str, float], capacity_gib: float, title: str) -> Figure:

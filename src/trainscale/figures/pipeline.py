@@ -11,7 +11,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, PathPatch
 from matplotlib.path import Path
 
-from trainscale.figures.style import PALETTE, STYLE, BookFigure
+from trainscale.figures.style import PALE_GREY, PALETTE, STYLE, BookFigure
 from trainscale.pipeline import Timeline
 
 SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved 1F1B"}
@@ -23,7 +23,7 @@ _FILL = {  # (kind, chunk parity) -> (face colour, text colour)
     ("forward", 1): (PALETTE["sky"], "black"),
     ("backward", 1): (PALETTE["yellow"], "black"),
 }
-_IDLE = "#eeeeee"
+_IDLE = PALE_GREY
 _BAR = 0.72  # height of a stage's row of boxes
 
 

@@ -2,38 +2,25 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
-from trainscale.figures.memory import MEMORY_COLOURS
-from trainscale.figures.style import PALETTE, STYLE, BookFigure
-from trainscale.memory import GIB
-from trainscale.planner import (
-    MEMORY_PARTS,
-    TIME_PARTS,
-    USABLE_MEMORY,
-    VERDICTS,
-    Layout,
-    verdict_counts,
+from trainscale.figures.style import (
+    MEMORY_COLOURS,
+    PALETTE,
+    STYLE,
+    TIME_COLOURS,
+    VERDICT_STYLES,
+    BookFigure,
 )
+from trainscale.memory import GIB, USABLE_MEMORY
 
-TIME_COLOURS = {
-    "compute": PALETTE["blue"],
-    "recomputation": PALETTE["sky"],
-    "tensor-parallel traffic": PALETTE["orange"],
-    "pipeline sends": PALETTE["yellow"],
-    "data-parallel traffic": PALETTE["green"],
-    "pipeline bubble": PALETTE["grey"],
-}
-
-VERDICT_STYLES = {
-    "fits": (PALETTE["green"], "o"),
-    "TP across nodes": (PALETTE["orange"], "s"),
-    "bubble too large": (PALETTE["purple"], "^"),
-    "out of memory": (PALETTE["grey"], "x"),
-}
+if TYPE_CHECKING:  # figures sit below the planner: its types only, never its code
+    from trainscale.planner import Layout
 
 GIB_TICKS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 
@@ -78,8 +65,7 @@ def planner_top_layouts(
         labels = [f"{lay.name}\n{lay.settings}" for lay in rows]
         for row, lay in enumerate(rows):
             left = 0.0
-            for part in TIME_PARTS:
-                width = lay.times[part]
+            for part, width in lay.times.items():  # in the planner's TIME_PARTS order
                 time_ax.barh(
                     row,
                     width,
@@ -91,8 +77,8 @@ def planner_top_layouts(
                 left += width
             time_ax.annotate(f" MFU {lay.mfu:.0%}", (left, row), va="center", ha="left", fontsize=9)
             left = 0.0
-            for part in MEMORY_PARTS:
-                width = lay.memory_parts[part] / GIB
+            for part, size in lay.memory_parts.items():  # in MEMORY_PARTS order
+                width = size / GIB
                 memory_ax.barh(
                     row,
                     width,
@@ -137,7 +123,7 @@ def planner_rejections(
     capacity, the dashed one the ``usable_share`` the planner allowed. ``invalid``
     layouts have no estimate and are only counted, in the title.
     """
-    counts = verdict_counts(layouts)
+    counts = Counter(lay.verdict for lay in layouts)
     drawn = [lay for lay in layouts if lay.verdict != "invalid"]
     if not drawn:
         raise ValueError("layouts must hold at least one layout that is not invalid")
@@ -145,7 +131,7 @@ def planner_rejections(
     with plt.rc_context({**STYLE, "axes.grid.axis": "both"}):
         fig = BookFigure(figsize=(7.0, 4.2), layout="constrained")
         ax = fig.add_subplot()
-        for verdict in VERDICTS[:-1]:
+        for verdict in VERDICT_STYLES:  # every verdict but "invalid", which has no estimate
             points = [lay for lay in drawn if lay.verdict == verdict]
             if not points:
                 continue

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
-from trainscale.figures.style import PALETTE, STYLE, BookFigure, new_figure
+from trainscale.figures.style import INK, MUTED_INK, PALETTE, STYLE, BookFigure, new_figure
 
 NICE_TICKS = (0.1, 0.15, 0.2, 0.3, 0.5, 1, 1.5, 2, 3, 5, 10, 15, 20, 30, 50, 100)
 RUN_COLOURS = [PALETTE["red"], PALETTE["orange"], PALETTE["purple"], PALETTE["blue"]]
@@ -54,7 +54,7 @@ def lr_schedule(
                     xytext=(3, 0),
                     textcoords="offset points",
                     fontsize=9,
-                    color="#555555",
+                    color=MUTED_INK,
                     va="bottom",
                 )
         ax.set_xlim(0, steps[-1])
@@ -80,8 +80,9 @@ def training_curves(
 
     ``runs`` maps a label to ``(losses, grad_norms)``, one value per step. The
     axes are limited to ``loss_range`` and ``norm_range`` so that the runs that
-    train stay readable; a run that leaves the top has diverged, and a cross on
-    the top edge marks the step where its loss stopped being finite.
+    train stay readable. A run whose last value is above the top of a panel, or
+    not finite, has diverged: a cross on that panel's top edge marks its last
+    step (where :func:`trainscale.stability.train` stopped it).
     ``best_loss``, the lowest loss any model can reach, is a dashed line.
     ``alarms`` (label -> step) are drawn as dotted vertical lines in both panels.
     """
@@ -94,9 +95,10 @@ def training_curves(
             for (ax, (_, top)), values in zip(panels, curves, strict=True):
                 finite = [v for v in values if math.isfinite(v)]
                 ax.plot(range(len(finite)), finite, color=colour, linewidth=1.4, label=label)
-                if len(finite) < len(values):
-                    ax.plot(len(finite), top, "x", color=colour, markersize=9, mew=2, clip_on=False)
-        loss_ax.axhline(best_loss, color="#333333", linestyle="--", linewidth=1)
+                if not values[-1] <= top:  # above the panel, inf or NaN: stopped there
+                    last = len(values) - 1
+                    ax.plot(last, top, "x", color=colour, markersize=9, mew=2, clip_on=False)
+        loss_ax.axhline(best_loss, color=INK, linestyle="--", linewidth=1)
         loss_ax.annotate(
             "best possible loss",
             (longest, best_loss),
@@ -108,7 +110,7 @@ def training_curves(
         )
         for i, (name, step) in enumerate(sorted((alarms or {}).items(), key=lambda a: a[1])):
             for ax in (loss_ax, norm_ax):
-                ax.axvline(step, color="#555555", linestyle=":", linewidth=1)
+                ax.axvline(step, color=MUTED_INK, linestyle=":", linewidth=1)
             norm_ax.annotate(  # the first label left of its line, the others right of theirs
                 name,
                 (step, norm_range[0]),
@@ -117,7 +119,7 @@ def training_curves(
                 ha="right" if i == 0 else "left",
                 va="bottom",
                 fontsize=8,
-                color="#555555",
+                color=MUTED_INK,
             )
         labels = ("training loss (nats)", "gradient norm, before clipping")
         for (ax, limits), label in zip(panels, labels, strict=True):
@@ -147,7 +149,7 @@ def decay_bars(shares: Mapping[str, Sequence[float]], labels: Sequence[str], tit
             heights = [values[i] for values in shares.values()]
             bars = ax.bar(xs, heights, width * 0.95, color=colours[i % len(colours)], label=label)
             ax.bar_label(bars, fmt="%.2f", padding=2)
-        ax.axhline(1.0, color="#333333", linestyle=":", linewidth=1)
+        ax.axhline(1.0, color=INK, linestyle=":", linewidth=1)
         ax.set_xticks(range(len(shares)), list(shares))
         ax.set_ylim(0, 1.2)
         ax.set_ylabel("final weight / weight\nwithout the penalty")

@@ -8,8 +8,16 @@ import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from trainscale.figures.memory import MEMORY_COLOURS
-from trainscale.figures.style import PALETTE, PHASE_COLOURS, STYLE, new_figure
+from trainscale.figures.style import (
+    EDGE_GREY,
+    INK,
+    MEMORY_COLOURS,
+    PALE_GREY,
+    PALETTE,
+    PHASE_COLOURS,
+    STYLE,
+    new_figure,
+)
 from trainscale.sharding import FsdpMoment
 
 
@@ -72,7 +80,7 @@ def zero_stage_bars(
 
 
 _CELL = {
-    "sharded": "#eeeeee",
+    "sharded": PALE_GREY,
     "prefetched": PALETTE["sky"],
 }
 
@@ -110,7 +118,7 @@ def fsdp_timeline(
                 else:
                     colour = _CELL["sharded"]
                 ax.add_patch(
-                    Rectangle((col, row), 0.92, 0.86, facecolor=colour, edgecolor="#cccccc", lw=0.5)
+                    Rectangle((col, row), 0.92, 0.86, facecolor=colour, edgecolor=EDGE_GREY, lw=0.5)
                 )
             if moment.phase == "optimiser" and shown:
                 ax.add_patch(
@@ -134,7 +142,7 @@ def fsdp_timeline(
                 ha="center",
                 va="top",
                 fontsize=8,
-                color="#333333",
+                color=INK,
             )
             ax.text(
                 col + 0.46,
@@ -143,7 +151,7 @@ def fsdp_timeline(
                 ha="center",
                 va="bottom",
                 fontsize=9,
-                color="#333333",
+                color=INK,
             )
         if last < len(moments) and last >= 0:
             ax.add_patch(
@@ -152,7 +160,7 @@ def fsdp_timeline(
                     1.0,
                     n_layers + 0.02,
                     fill=False,
-                    edgecolor="#333333",
+                    edgecolor=INK,
                     lw=1.6,
                 )
             )
@@ -176,7 +184,7 @@ def fsdp_timeline(
             Rectangle((0, 0), 1, 1, facecolor=PHASE_COLOURS["backward"], label="whole: backward"),
             Rectangle((0, 0), 1, 1, facecolor=_CELL["prefetched"], label="whole: prefetched"),
             Rectangle(
-                (0, 0), 1, 1, facecolor=_CELL["sharded"], edgecolor="#cccccc", label="shard only"
+                (0, 0), 1, 1, facecolor=_CELL["sharded"], edgecolor=EDGE_GREY, label="shard only"
             ),
             Rectangle(
                 (0, 0),

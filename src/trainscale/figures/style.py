@@ -24,6 +24,27 @@ PALETTE = {
 }
 """Okabe-Ito colours by name."""
 
+INK = "#333333"
+"""Dark grey: axes frames, reference lines, labels inside cells, data summed over every rank."""
+
+MUTED_INK = "#555555"
+"""Mid grey: notes, thin arrows and outlines, annotations that must not compete with data."""
+
+LIGHT_GREY = "#dddddd"
+"""Grid lines, table rules and light fills."""
+
+PALE_GREY = "#eeeeee"
+"""Idle time and empty (sharded-away) cells."""
+
+EDGE_GREY = "#cccccc"
+"""Thin edges between cells."""
+
+TABLE_HEADER = "#f2f2f2"
+"""The header row of a table."""
+
+PARTIAL_GREY = "#b8b8b8"
+"""Data summed over some ranks but not yet all."""
+
 PHASE_COLOURS = {
     "forward": PALETTE["blue"],
     "backward": PALETTE["orange"],
@@ -36,10 +57,10 @@ STYLE = {
     "figure.dpi": 100,
     "figure.facecolor": "white",
     "axes.facecolor": "white",
-    "axes.edgecolor": "#333333",
+    "axes.edgecolor": INK,
     "axes.grid": True,
     "axes.grid.axis": "x",
-    "grid.color": "#dddddd",
+    "grid.color": LIGHT_GREY,
     "axes.spines.top": False,
     "axes.spines.right": False,
     "axes.titlesize": 12,
@@ -96,3 +117,42 @@ def new_figure(figsize: tuple[float, float]) -> tuple[BookFigure, Axes]:
     """A new figure and its axes; call inside ``plt.rc_context(STYLE)`` so the style applies."""
     fig = BookFigure(figsize=figsize, layout="constrained")
     return fig, fig.add_subplot()
+
+
+MEMORY_COLOURS = {
+    "weights": PALETTE["blue"],
+    "gradients": PALETTE["orange"],
+    "optimiser state": PALETTE["purple"],
+    "activations": PALETTE["green"],
+}
+"""One colour per part of a GPU's memory, the same in every chapter."""
+
+TIME_COLOURS = {
+    "compute": PALETTE["blue"],
+    "recomputation": PALETTE["sky"],
+    "tensor-parallel traffic": PALETTE["orange"],
+    "pipeline sends": PALETTE["yellow"],
+    "data-parallel traffic": PALETTE["green"],
+    "pipeline bubble": PALETTE["grey"],
+}
+"""One colour per part of an estimated step time (the planner's ``TIME_PARTS``)."""
+
+VERDICT_STYLES = {
+    "fits": (PALETTE["green"], "o"),
+    "TP across nodes": (PALETTE["orange"], "s"),
+    "bubble too large": (PALETTE["purple"], "^"),
+    "out of memory": (PALETTE["grey"], "x"),
+}
+"""Colour and marker of each planner verdict that has an estimate to draw."""
+
+RANK_COLOURS = [
+    PALETTE["blue"],
+    PALETTE["orange"],
+    PALETTE["green"],
+    PALETTE["purple"],
+    PALETTE["sky"],
+    PALETTE["yellow"],
+    PALETTE["red"],
+    PALETTE["grey"],
+]
+"""One colour per rank (up to 8), for data that came from that rank alone."""

@@ -8,7 +8,7 @@ import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
-from trainscale.figures.style import PALETTE, STYLE, new_figure
+from trainscale.figures.style import LIGHT_GREY, MUTED_INK, PALETTE, STYLE, new_figure
 
 _DEVICE_COLOURS = [
     PALETTE["blue"],
@@ -25,7 +25,7 @@ _DEVICE_COLOURS = [
 def _matrix(ax, x, y, width, height, part, colour, horizontal: bool) -> None:
     """A matrix outline with one block filled: columns ``part`` if not ``horizontal``,
     rows ``part`` if it is (``part`` is a ``(start, stop)`` share between 0 and 1)."""
-    ax.add_patch(Rectangle((x, y), width, height, facecolor="white", edgecolor="#555555", lw=0.8))
+    ax.add_patch(Rectangle((x, y), width, height, facecolor="white", edgecolor=MUTED_INK, lw=0.8))
     start, stop = part
     if horizontal:
         block = Rectangle((x, y + start * height), width, (stop - start) * height)
@@ -37,7 +37,7 @@ def _matrix(ax, x, y, width, height, part, colour, horizontal: bool) -> None:
 
 def _arrow(ax, start, end) -> None:
     ax.add_patch(
-        FancyArrowPatch(start, end, arrowstyle="-|>", mutation_scale=9, color="#555555", lw=0.8)
+        FancyArrowPatch(start, end, arrowstyle="-|>", mutation_scale=9, color=MUTED_INK, lw=0.8)
     )
 
 
@@ -73,7 +73,7 @@ def tensor_parallel_mlp_diagram(
             below = y + 0.7
             # the input x, whole on every device
             ax.add_patch(
-                Rectangle((0, y + 0.1), 0.35, 0.5, facecolor="#dddddd", edgecolor="#555555")
+                Rectangle((0, y + 0.1), 0.35, 0.5, facecolor=LIGHT_GREY, edgecolor=MUTED_INK)
             )
             ax.text(0.175, y + 0.35, "x", ha="center", va="center")
             ax.text(0.175, below, f"input\n{_dims(s['input'])}", **_LABEL)
@@ -118,7 +118,7 @@ def tensor_parallel_mlp_diagram(
         ax.text(6.1, middle, label, ha="center", va="center", fontsize=9)
         _arrow(ax, (6.5, middle), (6.8, middle))
         ax.add_patch(
-            Rectangle((6.8, middle - 0.25), 0.4, 0.5, facecolor="#dddddd", edgecolor="#555555")
+            Rectangle((6.8, middle - 0.25), 0.4, 0.5, facecolor=LIGHT_GREY, edgecolor=MUTED_INK)
         )
         ax.text(7.0, middle, "Z", ha="center", va="center")
         ax.text(7.0, middle + 0.35, "on every\ndevice", **_LABEL)
@@ -143,10 +143,17 @@ def time_bars(durations_ms: Mapping[str, float], title: str) -> Figure:
     The word before the colon in each label (``"compute"`` or
     ``"communication"``) picks the colour.
     """
+    labels = list(durations_ms)
+    kinds = [label.split(":")[0] for label in labels]
+    unknown = sorted(set(kinds) - set(_BAR_COLOURS))
+    if unknown:
+        raise ValueError(
+            f"durations_ms labels must start with one of {tuple(_BAR_COLOURS)} and a colon,"
+            f" got {unknown}"
+        )
     with plt.rc_context(STYLE):
-        labels = list(durations_ms)
         fig, ax = new_figure((7.0, 1.2 + 0.5 * len(labels)))
-        colours = [_BAR_COLOURS[label.split(":")[0]] for label in labels]
+        colours = [_BAR_COLOURS[kind] for kind in kinds]
         bars = ax.barh(range(len(labels)), list(durations_ms.values()), color=colours, height=0.6)
         ax.bar_label(bars, fmt="%.2f ms", padding=3)
         ax.set_yticks(range(len(labels)), [label.split(": ", 1)[-1] for label in labels])

@@ -30,8 +30,7 @@ from torch import nn
 from trainscale import _checks
 from trainscale.distributed import device, torchrun_main
 from trainscale.memory import mlp_stack
-from trainscale.parallel import pipeline_bubble
-from trainscale.pipeline import BACKWARD, FORWARD, Op, Timeline, non_negative
+from trainscale.pipeline import BACKWARD, FORWARD, Op, Timeline, bubble
 
 WIDTH = 32
 """Features of the reference model used here (small: the real work is simulated)."""
@@ -64,8 +63,8 @@ class SimulatedCompute(nn.Module):
 
     def __init__(self, forward_s: float = 0.0, backward_s: float = 0.0) -> None:
         super().__init__()
-        self.forward_s = non_negative("forward_s", forward_s)
-        self.backward_s = non_negative("backward_s", backward_s)
+        self.forward_s = _checks.non_negative("forward_s", forward_s)
+        self.backward_s = _checks.non_negative("backward_s", backward_s)
         self.events: list[tuple[str, float, float]] = []
 
     def _run(self, kind: str, seconds: float) -> None:
@@ -262,7 +261,7 @@ def main(rank: int, world_size: int, *args) -> list[dict]:
             losses = everyone[-1][index]["losses"]
             expected = reference(model, result["micro_batches"], result["seed"])["loss"]
             same = math.isclose(sum(losses) / len(losses), expected, rel_tol=1e-5)
-            formula = pipeline_bubble(world_size, result["micro_batches"])
+            formula = bubble(world_size, result["micro_batches"])
             print(
                 f"{result['schedule']:5s} {result['micro_batches']:>3} micro-batches:"
                 f" loss equals one process {same}, bubble formula {formula:.3f},"

@@ -33,6 +33,7 @@ from torch.distributed.tensor.parallel import (
 
 from trainscale import _checks
 from trainscale.distributed import device, torchrun_main
+from trainscale.transformer import attend
 
 
 class MLP(nn.Module):
@@ -49,6 +50,11 @@ class MLP(nn.Module):
 
 class Attention(nn.Module):
     """Multi-head self-attention with separate ``q``, ``k``, ``v`` and ``o`` projections.
+
+    The model's attention (:class:`trainscale.transformer.CausalSelfAttention`)
+    keeps queries, keys and values in one ``qkv`` matrix; here they are apart so
+    that ``ColwiseParallel`` can split each by heads. The formula in between is the
+    model's own, :func:`trainscale.transformer.attend` (without the causal mask).
 
     The number of heads is read from the projections' output width
     (``view(..., -1, head_size)``), not stored: under tensor parallelism each
@@ -69,7 +75,7 @@ class Attention(nn.Module):
             return t.view(batch, seq, -1, self.head_size).transpose(1, 2)
 
         q, k, v = by_head(self.q(x)), by_head(self.k(x)), by_head(self.v(x))
-        out = nn.functional.scaled_dot_product_attention(q, k, v)
+        out = attend(q, k, v, causal=False, kind="sdpa")
         return self.o(out.transpose(1, 2).reshape(batch, seq, -1))
 
 

@@ -1,6 +1,4 @@
-"""precision and schedule: fp16 range, bf16 precision, the learning-rate curve."""
-
-import math
+"""precision: what fp16's range and bf16's precision lose."""
 
 import pytest
 import torch
@@ -8,7 +6,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from trainscale.precision import accumulate_updates, fp16_cast_losses
-from trainscale.schedule import learning_rate
 
 
 def test_fp16_boundaries_are_exact():
@@ -49,41 +46,3 @@ def test_bf16_loses_small_updates_fp32_keeps_them():
     assert accumulate_updates(torch.bfloat16) == 1.0
     assert accumulate_updates(torch.float32) == pytest.approx(1.1, abs=1e-4)
     assert accumulate_updates(torch.float32, steps=0) == 1.0
-
-
-def test_schedule_reference_points():
-    kwargs = {"peak": 3e-4, "warmup": 500, "total": 10_000}
-    assert learning_rate(0, **kwargs) == pytest.approx(3e-4 / 500)
-    assert learning_rate(499, **kwargs) == pytest.approx(3e-4)
-    assert learning_rate(500, **kwargs) == pytest.approx(3e-4)
-    assert learning_rate(5250, **kwargs) == pytest.approx((3e-4 + 3e-5) / 2)
-    assert learning_rate(10_000, **kwargs) == pytest.approx(3e-5)
-    assert learning_rate(50_000, **kwargs) == pytest.approx(3e-5)
-
-
-@given(st.integers(0, 1000), st.integers(1, 1000), st.integers(0, 3000), st.floats(0, 1))
-def test_schedule_stays_between_floor_and_peak(warmup, extra, step, floor):
-    total = warmup + extra
-    lr = learning_rate(step, 1.0, warmup, total, floor)
-    assert 0.0 < lr <= 1.0 + 1e-12
-    if step >= warmup:
-        assert lr >= floor - 1e-12
-        assert learning_rate(step + 1, 1.0, warmup, total, floor) <= lr + 1e-12
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "name"),
-    [
-        ({"warmup": 10, "total": 10}, "warmup"),
-        ({"warmup": -1}, "warmup"),
-        ({"total": 0}, "total"),
-        ({"floor": 1.5}, "floor"),
-        ({"peak": -1}, "peak"),
-        ({"step": -1}, "step"),
-        ({"peak": math.nan}, "peak"),
-    ],
-)
-def test_schedule_names_bad_arguments(kwargs, name):
-    args = {"step": 0, "peak": 1.0, "warmup": 1, "total": 10} | kwargs
-    with pytest.raises(ValueError, match=name):
-        learning_rate(**args)

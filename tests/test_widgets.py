@@ -1,4 +1,4 @@
-"""widgets and quiz: kernel-free sliders and HTML answers."""
+"""widgets: sliders that switch between precomputed SVG figures without a kernel."""
 
 import ipywidgets as widgets
 import matplotlib.pyplot as plt
@@ -6,7 +6,6 @@ import pytest
 from ipywidgets.widgets.widget import _instances
 from ipywidgets.widgets.widget_link import Link
 
-from trainscale.quiz import Choice, Question, quiz_html
 from trainscale.widgets import MAX_FIGURES, figure_to_svg, slider, two_sliders
 
 
@@ -66,20 +65,3 @@ def test_slider_rejects_bad_positions():
         slider([], _figure, description="x", value=3, alt=str)
     with pytest.raises(ValueError, match="at most"):
         slider(list(range(MAX_FIGURES + 1)), _figure, description="x", value=0, alt=str)
-
-
-def test_quiz_reveals_answers_without_scripts():
-    question = Question(
-        "Bytes per parameter?",
-        (Choice("16", True, "2+2+4+4+4."), Choice("`8`", False, "Adam state is missing.")),
-    )
-    page = quiz_html([question])
-    assert page.count("<details") == 2 and "<script" not in page
-    assert "<code>8</code>" in page and "Correct." in page and "Not quite." in page
-
-
-def test_question_needs_exactly_one_correct_choice():
-    with pytest.raises(ValueError, match="exactly 1 correct"):
-        Question("?", (Choice("a", True, ""), Choice("b", True, "")))
-    with pytest.raises(ValueError, match="questions"):
-        quiz_html([])

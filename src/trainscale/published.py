@@ -1,0 +1,159 @@
+"""Published large training runs, as typed records, and the GPUs they ran on (chapter 13).
+
+:class:`PublishedRun` holds what a paper states about one run; ``None`` marks what
+it does not publish. The rows live in ``data/published_runs.json`` inside the
+package and :func:`published_runs` loads them. ``step_seconds`` is derived the same
+way for every row: the FLOPs of one step in the source's own convention
+(:func:`trainscale.compute.flops_per_token` times the tokens of a step) divided by
+the published TFLOP/s per GPU times the GPUs; each row's ``source`` says which
+convention and which throughput. The planner (:mod:`trainscale.planner`) turns a
+run into its ``Model`` and ``Cluster`` and estimates it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass, fields
+from importlib import resources
+
+from trainscale import _checks
+from trainscale.checkpointing import RECOMPUTE
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """One GPU model: dense bf16 peak in FLOP/s, memory in bytes, NVLink bandwidth in
+    bytes per second one way per GPU, and the GPUs an NVLink node joins."""
+
+    peak_flops: float
+    memory_bytes: float
+    nvlink_bandwidth: float
+    gpus_per_node: int
+
+
+GPUS: dict[str, Gpu] = {
+    # NVIDIA A100 Tensor Core GPU datasheet (SXM, 80 GB): 312 TFLOP/s dense BF16
+    # (624 with sparsity); NVLink 3, 600 GB/s both directions together, so 300e9 B/s
+    # each way; 80 GB of HBM2e, counted as 80e9 bytes (the book's convention); 8 per
+    # DGX/HGX A100 node.
+    "A100-80GB": Gpu(peak_flops=312e12, memory_bytes=80e9, nvlink_bandwidth=300e9, gpus_per_node=8),
+    # NVIDIA H100 Tensor Core GPU datasheet (SXM): 989 TFLOP/s dense BF16 (1,979 with
+    # sparsity); NVLink 4, 900 GB/s both directions together, so 450e9 B/s each way;
+    # 80 GB of HBM3, counted as 80e9 bytes; 8 per DGX/HGX H100 node.
+    "H100-80GB": Gpu(peak_flops=989e12, memory_bytes=80e9, nvlink_bandwidth=450e9, gpus_per_node=8),
+}
+"""The GPUs published runs name, by :attr:`PublishedRun.gpu`."""
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    """One published training run; ``None`` means the source does not publish it.
+
+    Model: ``params`` (total, embeddings included), ``layers``, ``hidden``, ``heads``,
+    ``kv_heads`` (key/value heads; fewer than ``heads`` with grouped-query attention),
+    ``ffn_hidden`` (width of the MLP's hidden layer), ``gated_mlp`` (SwiGLU-style, three
+    matrices instead of two), ``vocab``, ``seq_len`` (tokens per sequence).
+    Hardware: ``gpus`` of type ``gpu`` (a key of :data:`GPUS`),
+    ``inter_node_bandwidth`` (bytes per second one GPU sends to another node).
+    Layout: ``tp``, ``pp``, ``dp``, ``cp`` (context parallelism), ``virtual_stages``
+    (interleaved pipeline chunks per GPU), ``micro_batch`` and ``global_batch`` (in
+    sequences), ``zero_stage``, ``recompute`` (one of :data:`trainscale.checkpointing.RECOMPUTE`),
+    ``sequence_parallel``. Result: ``step_seconds``, one optimiser step, derived as
+    ``source`` says. ``name`` labels the run and ``source`` cites it (with its bib key).
+    """
+
+    name: str
+    source: str
+    params: int
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int | None
+    ffn_hidden: int | None
+    gated_mlp: bool | None
+    vocab: int
+    seq_len: int
+    gpus: int
+    gpu: str
+    inter_node_bandwidth: float | None
+    tp: int
+    pp: int
+    dp: int
+    cp: int | None
+    virtual_stages: int | None
+    micro_batch: int | None
+    global_batch: int
+    zero_stage: int | None
+    recompute: str | None
+    sequence_parallel: bool | None
+    step_seconds: float
+
+    def __post_init__(self) -> None:
+        for name in ("name", "source"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"{name} must be a non-empty string, got {getattr(self, name)!r}")
+        required = ("params", "layers", "hidden", "heads", "vocab", "seq_len", "gpus", "tp", "pp")
+        for name in (*required, "dp", "global_batch"):
+            object.__setattr__(self, name, _checks.count(name, getattr(self, name), minimum=1))
+        for name in ("kv_heads", "ffn_hidden", "cp", "virtual_stages", "micro_batch"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, _checks.count(name, getattr(self, name), minimum=1))
+        for name in ("gated_mlp", "sequence_parallel"):
+            if getattr(self, name) is not None:
+                _checks.boolean(name, getattr(self, name))
+        _checks.choice("gpu", self.gpu, tuple(GPUS))
+        if self.inter_node_bandwidth is not None:
+            _checks.positive("inter_node_bandwidth", self.inter_node_bandwidth)
+        if self.zero_stage is not None:
+            _checks.choice("zero_stage", self.zero_stage, (0, 1, 2, 3))
+        if self.recompute is not None:
+            _checks.choice("recompute", self.recompute, RECOMPUTE)
+        _checks.positive("step_seconds", self.step_seconds)
+        if self.tp * self.pp * self.dp * (self.cp or 1) != self.gpus:
+            raise ValueError(
+                f"tp x pp x dp x cp must equal gpus ({self.gpus}), got "
+                f"{self.tp} x {self.pp} x {self.dp} x {self.cp or 1}"
+            )
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens of one optimiser step: ``global_batch x seq_len``."""
+        return self.global_batch * self.seq_len
+
+    @property
+    def layer_weights(self) -> int:
+        """Weights of one layer's matrices: ``2 h^2`` for the query and output projections,
+        ``2 h^2 kv_heads / heads`` for keys and values, and 2 (3 if gated) ``h x ffn_hidden``
+        matrices in the MLP. Biases and layer norms are left out."""
+        if self.kv_heads is None or self.ffn_hidden is None or self.gated_mlp is None:
+            raise ValueError(f"{self.name}: kv_heads, ffn_hidden and gated_mlp are not published")
+        h = self.hidden
+        attention = 2 * h * h + 2 * h * (h // self.heads) * self.kv_heads
+        return attention + (3 if self.gated_mlp else 2) * h * self.ffn_hidden
+
+    @property
+    def tied_embeddings(self) -> bool:
+        """Whether the output layer reuses the input embedding, read off the parameter count.
+
+        Papers state the total, not the tying. What the layers leave of ``params`` is
+        compared with one and with two ``vocab x hidden`` matrices; the nearer wins.
+        """
+        rest = self.params - self.layers * self.layer_weights
+        one = self.vocab * self.hidden
+        return abs(rest - one) < abs(rest - 2 * one)
+
+
+def _row(record: dict) -> PublishedRun:
+    names = [f.name for f in fields(PublishedRun)]
+    if set(record) != set(names):
+        missing, extra = set(names) - set(record), set(record) - set(names)
+        raise ValueError(f"a published run needs exactly {names}: missing {missing}, extra {extra}")
+    return PublishedRun(**record)
+
+
+@functools.cache
+def published_runs() -> tuple[PublishedRun, ...]:
+    """Every published run of ``data/published_runs.json``, in the file's order."""
+    text = resources.files("trainscale").joinpath("data/published_runs.json").read_text()
+    return tuple(_row(record) for record in json.loads(text))

@@ -1,0 +1,223 @@
+"""The package's layout: one test file per module, and no module imports one from a higher layer."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "src" / "trainscale"
+TESTS = Path(__file__).resolve().parent
+
+LAYERS: tuple[tuple[str, ...], ...] = (
+    # 0: argument checks; the package root only carries the version.
+    ("_checks", "__init__"),
+    # 1: formulas and the model, one module per chapter idea.
+    (
+        "compute",
+        "memory",
+        "collectives",
+        "sharding",
+        "pipeline",
+        "precision",
+        "checkpointing",
+        "schedule",
+        "transformer",
+        "published",
+    ),
+    # 2: simulations and measurements in one process.
+    ("parallel", "loss_scaling", "stability", "efficiency"),
+    # 3: real processes.
+    ("distributed", "workers.*"),
+    # 4: what a reader sees.
+    ("figures.*", "widgets", "quiz"),
+    # 5: what puts it all together.
+    ("planner", "train", "__main__"),
+)
+"""Layers, lowest first: a module may import modules of its own layer or lower ones."""
+
+ALLOWED_UPWARD_IMPORTS: dict[tuple[str, str], str] = {}
+"""Known upward imports, ``(importer, imported): why``. Empty: the package keeps its
+layers. Add an entry only with the reason and a plan to remove it; any other upward
+import fails the test."""
+
+
+def _module_name(path: Path) -> str:
+    """``src/trainscale/figures/style.py`` -> ``"figures.style"``."""
+    return ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
+
+
+def _modules() -> list[str]:
+    return sorted(_module_name(path) for path in PACKAGE.rglob("*.py"))
+
+
+def layer_of(module: str) -> int:
+    """The layer of a module name relative to the package (``"figures.style"``)."""
+    for level, members in enumerate(LAYERS):
+        for member in members:
+            if module == member or (member.endswith(".*") and module.startswith(member[:-1])):
+                return level
+    raise KeyError(f"{module} has no layer: add it to LAYERS")
+
+
+def _resolve(dotted: str) -> str | None:
+    """``"trainscale.figures.style"`` -> ``"figures.style"``; the package's modules only.
+
+    A name that is a package means its ``__init__``; a name that is neither a module
+    nor a package (``trainscale.__version__``) means the module that defines it.
+    """
+    parts = dotted.split(".")
+    if parts[0] != "trainscale":
+        return None
+    parts = parts[1:]
+    while parts:
+        path = PACKAGE.joinpath(*parts)
+        if path.with_suffix(".py").is_file():
+            return ".".join(parts)
+        if (path / "__init__.py").is_file():
+            return ".".join(parts) + ".__init__"
+        parts = parts[:-1]
+    return "__init__"
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return ast.unparse(test) in {"TYPE_CHECKING", "typing.TYPE_CHECKING"}
+
+
+def imported_names(source: str, module: str) -> set[str]:
+    """Every ``trainscale`` name ``source`` imports at run time, anywhere in the module
+    (functions included), but not under ``if TYPE_CHECKING:``. ``module`` (``"figures.style"``)
+    resolves relative imports."""
+    names: set[str] = set()
+    package = ["trainscale", *module.split(".")[:-1]]
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            stem = ".".join([*base, *(node.module.split(".") if node.module else [])])
+            names.update(f"{stem}.{alias.name}" for alias in node.names)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(source))
+    return {name for name in names if name == "trainscale" or name.startswith("trainscale.")}
+
+
+def imported_modules(source: str, module: str) -> set[str]:
+    """The package's modules that ``source`` (the text of ``module``) imports at run time."""
+    found = {_resolve(name) for name in imported_names(source, module)}
+    return {name for name in found if name is not None and name != module}
+
+
+def upward_imports() -> set[tuple[str, str]]:
+    """Every ``(importer, imported)`` pair of the package where ``imported`` sits higher."""
+    pairs = set()
+    for module in _modules():
+        source = PACKAGE.joinpath(*module.split(".")).with_suffix(".py").read_text()
+        for imported in imported_modules(source, module):
+            if layer_of(imported) > layer_of(module):
+                pairs.add((module, imported))
+    return pairs
+
+
+def expected_test_file(module: str) -> str:
+    """``_checks`` -> ``test_checks.py``, ``figures.style`` -> ``test_figures_style.py``."""
+    return "test_" + "_".join(part.strip("_") for part in module.split(".")) + ".py"
+
+
+# --- one test file per module -------------------------------------------------------------
+
+
+def test_every_module_has_its_own_test_file():
+    modules = [m for m in _modules() if not m.endswith("__init__")]
+    missing = [
+        f"{m} -> tests/{expected_test_file(m)}"
+        for m in modules
+        if not (TESTS / expected_test_file(m)).is_file()
+    ]
+    assert missing == []
+
+
+def test_test_file_names_follow_the_modules():
+    assert expected_test_file("_checks") == "test_checks.py"
+    assert expected_test_file("__main__") == "test_main.py"
+    assert expected_test_file("memory") == "test_memory.py"
+    assert expected_test_file("figures.data_parallel") == "test_figures_data_parallel.py"
+    assert expected_test_file("workers.pipeline") == "test_workers_pipeline.py"
+
+
+def test_the_package_has_only_the_subpackages_the_rules_know():
+    folders = {_module_name(p).split(".")[0] for p in PACKAGE.rglob("*/*.py")}
+    assert folders == {"figures", "workers"}
+
+
+# --- the layers -----------------------------------------------------------------------------
+
+
+def test_every_module_has_a_layer():
+    assert {m: layer_of(m) for m in _modules()}  # raises KeyError naming a module without one
+
+
+def test_no_module_imports_one_from_a_higher_layer():
+    assert upward_imports() - ALLOWED_UPWARD_IMPORTS.keys() == set()
+
+
+def test_every_allowed_upward_import_is_still_needed():
+    assert ALLOWED_UPWARD_IMPORTS.keys() <= upward_imports()
+
+
+def test_imports_are_found_in_functions_but_not_under_type_checking():
+    source = """
+from typing import TYPE_CHECKING
+import torch
+from trainscale import memory, figures
+from trainscale.figures.style import svg_text
+import trainscale.distributed as dist
+if TYPE_CHECKING:
+    from trainscale.planner import Layout
+else:
+    from trainscale import quiz
+
+def draw():
+    from trainscale.widgets import slider
+    from . import pipeline
+    from .style import PALETTE
+"""
+    assert imported_modules(source, "figures.schedule") == {
+        "memory",
+        "figures.__init__",
+        "figures.style",
+        "distributed",
+        "quiz",
+        "widgets",
+        "figures.pipeline",
+    }
+
+
+@pytest.mark.parametrize(
+    ("module", "layer"),
+    [
+        ("_checks", 0),
+        ("transformer", 1),
+        ("efficiency", 2),
+        ("workers.__init__", 3),
+        ("workers.sharding", 3),
+        ("figures.__init__", 4),
+        ("figures.style", 4),
+        ("__main__", 5),
+    ],
+)
+def test_layers_by_hand(module, layer):
+    assert layer_of(module) == layer
+
+
+def test_a_new_upward_import_would_be_caught():
+    # A formula module (layer 1) reaching up to the planner (layer 5) inside a function.
+    source = "def f():\n    from trainscale import planner\n    return planner\n"
+    imported = imported_modules(source, "compute")
+    assert [m for m in imported if layer_of(m) > layer_of("compute")] == ["planner"]

@@ -1,0 +1,112 @@
+"""published: the published runs as typed records, their step times worked by hand."""
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from trainscale.published import GPUS, PublishedRun, published_runs
+
+FIELDS = (
+    "name",
+    "source",
+    "params",
+    "layers",
+    "hidden",
+    "heads",
+    "kv_heads",
+    "ffn_hidden",
+    "gated_mlp",
+    "vocab",
+    "seq_len",
+    "gpus",
+    "gpu",
+    "inter_node_bandwidth",
+    "tp",
+    "pp",
+    "dp",
+    "cp",
+    "virtual_stages",
+    "micro_batch",
+    "global_batch",
+    "zero_stage",
+    "recompute",
+    "sequence_parallel",
+    "step_seconds",
+)
+
+
+def test_fields_are_exactly_those_calibration_needs():
+    assert tuple(f.name for f in dataclasses.fields(PublishedRun)) == FIELDS
+    run = published_runs()[0]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        run.tp = 4
+
+
+def test_gpu_table():
+    assert GPUS["A100-80GB"].peak_flops == 312e12 and GPUS["H100-80GB"].peak_flops == 989e12
+    assert GPUS["A100-80GB"].nvlink_bandwidth == 300e9  # 600 GB/s both ways together
+    assert GPUS["H100-80GB"].nvlink_bandwidth == 450e9  # 900 GB/s both ways together
+    assert {gpu.memory_bytes for gpu in GPUS.values()} == {80e9}
+
+
+def test_six_runs_consistent_and_cited():
+    bib = (Path(__file__).parents[1] / "book" / "references.bib").read_text()
+    keys = set(re.findall(r"@\w+\{([^,]+),", bib))
+    runs = published_runs()
+    assert len(runs) == 6
+    for run in runs:
+        assert re.search(r"bib key (\w+)", run.source).group(1) in keys
+        assert run.tp * run.pp * run.dp * run.cp == run.gpus
+        assert run.global_batch % run.dp == 0
+        assert "TFLOP/s per GPU" in run.source and "step_seconds =" in run.source
+    assert (runs[3].dp, runs[3].gpus) == (6, 3072)
+    assert [run.tokens_per_step for run in runs[4:]] == [16 * 2**20] * 2  # 16M tokens
+
+
+def test_megatron_1t_step_seconds_by_hand():
+    # Equation 3: 96 B s l h^2 (1 + s/(6h) + V/(16 l h)) FLOPs per step, at 163 TFLOP/s
+    # on each of 3,072 GPUs: B = 3,072 sequences of s = 2,048, l = 128, h = 25,600.
+    run = published_runs()[3]
+    flops = (
+        96 * 3072 * 2048 * 128 * 25600**2 * (1 + 2048 / (6 * 25600) + 51200 / (16 * 128 * 25600))
+    )
+    assert run.step_seconds == pytest.approx(flops / (163e12 * 3072), rel=1e-12)
+    assert run.step_seconds == pytest.approx(102.63, abs=0.01)
+
+
+def test_llama3_step_seconds_by_hand():
+    # PaLM's count: (6 N + 12 L h s) per token x 16,777,216 tokens, at 430 TFLOP/s x 8,192.
+    run = published_runs()[4]
+    per_token = 6 * 405e9 + 12 * 126 * 16384 * 8192
+    assert run.step_seconds == pytest.approx(per_token * 2048 * 8192 / (430e12 * 8192), rel=1e-12)
+    assert run.step_seconds == pytest.approx(12.54, abs=0.01)
+
+
+def test_tied_embeddings_read_off_the_parameter_count():
+    megatron, llama = published_runs()[0], published_runs()[4]
+    # GPT 18.4B: 40 x 12 h^2 = 18.12e9 leaves 0.28e9, near one 51,200 x 6,144 matrix.
+    assert megatron.layer_weights == 12 * 6144**2
+    assert megatron.tied_embeddings
+    # Llama 3 405B: GQA (8 KV heads) and SwiGLU; 126 layers leave 3.35e9, near two matrices.
+    assert llama.layer_weights == 2 * 16384**2 + 2 * 16384 * 1024 + 3 * 16384 * 53248
+    assert not llama.tied_embeddings
+
+
+def test_bad_records_are_named():
+    good = dataclasses.asdict(published_runs()[0])
+    for change, name in (
+        ({"gpu": "V100"}, "gpu"),
+        ({"dp": 31}, "gpus"),
+        ({"recompute": "some"}, "recompute"),
+        ({"zero_stage": 5}, "zero_stage"),
+        ({"sequence_parallel": 1}, "sequence_parallel"),
+        ({"step_seconds": 0}, "step_seconds"),
+        ({"kv_heads": 0}, "kv_heads"),
+    ):
+        with pytest.raises(ValueError, match=name):
+            PublishedRun(**(good | change))
+    unpublished = PublishedRun(**(good | {"ffn_hidden": None}))
+    with pytest.raises(ValueError, match="not published"):
+        _ = unpublished.tied_embeddings
