@@ -23,6 +23,7 @@ from trainscale.checkpointing import (
     segment_memory,
     selective_recompute_flops,
     step_flops,
+    step_operator_calls,
 )
 
 # --- the segment model -------------------------------------------------------------------
@@ -119,6 +120,37 @@ def test_checkpointing_adds_exactly_one_forward(k):
     assert ckpt["backward"] - plain["backward"] == plain["forward"]
     assert plain["backward"] == 2 * plain["forward"] - plain["forward"] // 8  # no input grad
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_step_operator_calls_of_one_block_by_hand():
+    # One block, Linear -> GELU -> Linear -> GELU, then pow and mean: each Linear
+    # dispatches a transpose and an addmm, so forward calls 2 + 1 + 2 + 1 + 2 = 8 operators.
+    model = memory.mlp_stack(width=4, blocks=1, seed=0)
+    x = torch.randn(3, 4)
+    plain, ckpt = step_operator_calls(model, x), step_operator_calls(model, x, segment=1)
+    assert plain["forward"] == ckpt["forward"] == 8  # checkpointing keeps less, calls the same
+    # Backward recomputes the block, except its last GELU, whose output backward does not
+    # need: 2 transposes, 2 addmm and 1 GELU at least (the rest is checkpoint's detaches).
+    assert ckpt["backward"] >= plain["backward"] + 5
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_operator_calls_do_not_grow_with_width_but_flops_do():
+    small, large = (memory.mlp_stack(width=w, blocks=2, seed=0) for w in (4, 16))
+    for segment in (None, 1):
+        calls = [
+            step_operator_calls(m, torch.randn(3, w), segment) for m, w in ((small, 4), (large, 16))
+        ]
+        assert calls[0] == calls[1]
+    flops = [step_flops(m, torch.randn(3, w)) for m, w in ((small, 4), (large, 16))]
+    assert flops[1]["forward"] == 16 * flops[0]["forward"]  # 2 x rows x w x 4w per product
+
+
+def test_step_operator_calls_names_bad_arguments():
+    with pytest.raises(ValueError, match="model"):
+        step_operator_calls(TransformerLayer(8, 2), torch.randn(1, 4, 8), segment=1)
+    with pytest.raises(ValueError, match="model"):
+        step_operator_calls(None, torch.randn(1, 4, 8))
 
 
 def test_step_flops_names_bad_arguments():

@@ -6,13 +6,20 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from trainscale.collectives import (
+    AlphaBeta,
     bus_bandwidth,
+    data_parallel_step,
+    dp_hiding_threshold_tokens,
+    fit_alpha_beta,
+    latency_bandwidth_crossover,
     ring_all_gather,
     ring_all_reduce,
+    ring_all_reduce_seconds,
     ring_all_reduce_trace,
     ring_bytes_per_rank,
     ring_factor,
     ring_reduce_scatter,
+    tp_comm_to_compute,
 )
 
 ranks = st.integers(1, 9)
@@ -134,3 +141,168 @@ def test_bus_bandwidth_follows_nccl_tests():
     assert bus_bandwidth(10.0, 1) == 0.0
     with pytest.raises(ValueError, match="ranks"):
         bus_bandwidth(10.0, 0)
+
+
+# --- the alpha-beta model -----------------------------------------------------------
+
+
+def test_ring_all_reduce_seconds_by_hand():
+    # 4 ranks, alpha = 1 ms, B = 1 GB/s, S = 4 MB:
+    # 2 x 3 x 1e-3 = 6 ms of latency + 2 x 3/4 x 4e6 / 1e9 = 6 ms of bandwidth = 12 ms.
+    assert ring_all_reduce_seconds(4e6, 4, 1e-3, 1e9) == pytest.approx(12e-3)
+    assert ring_all_reduce_seconds(4e6, 1, 1e-3, 1e9) == 0.0  # one rank sends nothing
+    assert ring_all_reduce_seconds(0, 4, 1e-3, 1e9) == pytest.approx(6e-3)
+
+
+def test_crossover_is_where_the_two_terms_are_equal():
+    # S* = N alpha B = 4 x 1e-3 x 1e9 = 4 MB, the size of the test above: 6 ms + 6 ms.
+    assert latency_bandwidth_crossover(4, 1e-3, 1e9) == pytest.approx(4e6)
+    fit = AlphaBeta(latency=1e-3, bandwidth=1e9, ranks=4)
+    assert fit.crossover_bytes == pytest.approx(4e6)
+    assert fit.seconds(fit.crossover_bytes) == pytest.approx(2 * fit.seconds(0))
+
+
+@given(st.integers(2, 64), st.floats(1e-7, 1e-2), st.floats(1e8, 1e12))
+def test_busbw_is_half_the_link_at_the_crossover(n, alpha, bandwidth):
+    size = latency_bandwidth_crossover(n, alpha, bandwidth)
+    busbw = bus_bandwidth(size / ring_all_reduce_seconds(size, n, alpha, bandwidth), n)
+    assert busbw == pytest.approx(bandwidth / 2)
+
+
+def test_fit_recovers_a_noise_free_sweep():
+    # Synthetic times from alpha = 50 us, B = 2 GB/s on 4 ranks, 4 KiB to 16 MiB.
+    sizes = [4**k * 4096 for k in range(7)]
+    times = [ring_all_reduce_seconds(s, 4, 50e-6, 2e9) for s in sizes]
+    fit = fit_alpha_beta(sizes, times, 4)
+    assert fit.latency == pytest.approx(50e-6)
+    assert fit.bandwidth == pytest.approx(2e9)
+    assert fit.ranks == 4
+    assert fit.crossover_bytes == pytest.approx(4 * 50e-6 * 2e9)  # 400 kB
+
+
+def test_fit_minimises_the_relative_error_by_hand():
+    # 2 ranks: T = 2 alpha + S / B. Points (0, 1), (1, 1), (2, 3) with weights 1/T^2 =
+    # 1, 1, 1/9; normal equations x 9: [19 11; 11 13] [a; c] = [21; 15], det 126,
+    # a = (21 x 13 - 11 x 15) / 126 = 6/7, c = (19 x 15 - 11 x 21) / 126 = 3/7.
+    # alpha = a / 2 = 3/7 s; B = 1 / c = 7/3 bytes/s. (A plain fit gives a = 2/3, c = 1.)
+    fit = fit_alpha_beta([0, 1, 2], [1, 1, 3], 2)
+    assert fit.latency == pytest.approx(3 / 7)
+    assert fit.bandwidth == pytest.approx(7 / 3)
+
+
+def test_fit_never_returns_a_negative_latency():
+    # Times proportional to size but for a dip at the small end: the best line has a
+    # negative intercept, so the fit goes through the origin. Weights 1/T^2 make
+    # c = sum(S/T) / sum(S^2/T^2) = (1/0.5 + 2/2.4 + 4/4.8) / (4 + 0.6944 + 0.6944).
+    sizes, times = [1, 2, 4], [0.5, 2.4, 4.8]
+    fit = fit_alpha_beta(sizes, times, 2)
+    assert fit.latency == 0.0
+    slope = (2 + 2 / 2.4 + 4 / 4.8) / (4 + (2 / 2.4) ** 2 + (4 / 4.8) ** 2)
+    assert fit.bandwidth == pytest.approx(1 / slope)
+
+
+@pytest.mark.parametrize(
+    ("sizes", "seconds", "ranks", "named"),
+    [
+        ([1, 2], [1.0, 2.0], 1, "ranks"),
+        ([1, 2], [1.0], 4, "sizes and seconds"),
+        ([1], [1.0], 4, "sizes and seconds"),
+        ([3, 3], [1.0, 2.0], 4, "distinct"),
+        ([1, 2], [1.0, 0.0], 4, "seconds"),
+        ([-1, 2], [1.0, 2.0], 4, "sizes"),
+        ([1, 2], [2.0, 1.0], 4, "grow"),
+    ],
+)
+def test_fit_refuses_bad_data(sizes, seconds, ranks, named):
+    with pytest.raises(ValueError, match=named):
+        fit_alpha_beta(sizes, seconds, ranks)
+
+
+def test_alpha_beta_arguments_are_named():
+    with pytest.raises(ValueError, match="latency"):
+        ring_all_reduce_seconds(1, 4, -1.0, 1e9)
+    with pytest.raises(ValueError, match="bandwidth"):
+        ring_all_reduce_seconds(1, 4, 1e-3, 0)
+    with pytest.raises(ValueError, match="ranks"):
+        latency_bandwidth_crossover(1, 1e-3, 1e9)
+
+
+# --- when communication hides ---------------------------------------------------------
+
+
+def test_dp_hiding_threshold_by_hand():
+    # T* = (N-1)/N x b x peak x MFU / (2 B).
+    # bf16 at 100 GB/s on 8 GPUs: 7/8 x 2 x 1e15 x 0.4 / (2 x 1e11) = 7/8 x 4,000 = 3,500.
+    assert dp_hiding_threshold_tokens(8, 2, 1e15, 0.4, 100e9) == pytest.approx(3500)
+    # fp32 at 50 GB/s: 7/8 x 4 x 4e14 / 1e11 = 7/8 x 16,000 = 14,000.
+    assert dp_hiding_threshold_tokens(8, 4, 1e15, 0.4, 50e9) == pytest.approx(14000)
+    assert dp_hiding_threshold_tokens(1, 2, 1e15, 0.4, 100e9) == 0.0
+
+
+@given(
+    st.integers(1, 1024),
+    st.sampled_from([1, 2, 4]),
+    st.floats(1e12, 1e16),
+    st.floats(0.01, 1.0),
+    st.floats(1e9, 1e12),
+)
+def test_at_the_threshold_the_all_reduce_equals_backward(n, b, peak, mfu, link):
+    threshold = dp_hiding_threshold_tokens(n, b, peak, mfu, link)
+    if threshold == 0:
+        return
+    step = data_parallel_step(7e9, threshold, n, b, peak, mfu, link)
+    assert step.all_reduce_seconds == pytest.approx(step.backward_seconds)
+    assert step.exposed_seconds == pytest.approx(0, abs=1e-9 * step.backward_seconds)
+    assert data_parallel_step(7e9, threshold / 2, n, b, peak, mfu, link).exposed_seconds > 0
+
+
+def test_data_parallel_step_of_the_book_by_hand():
+    # 7B, 16,384 tokens per GPU, 8 GPUs, bf16, 1e15 x 0.4, 100 GB/s:
+    # backward = 4 x 7e9 x 16,384 / 4e14 = 1.14688 s; all-reduce = 7/4 x 14e9 / 1e11 = 0.245 s.
+    step = data_parallel_step(7e9, 16384, 8, 2, 1e15, 0.4, 100e9)
+    assert step.backward_seconds == pytest.approx(1.14688)
+    assert step.all_reduce_seconds == pytest.approx(0.245)
+    assert step.exposed_seconds == 0.0
+    # 1,024 tokens: backward 0.07168 s, so 0.245 - 0.07168 = 0.17332 s stays exposed.
+    short = data_parallel_step(7e9, 1024, 8, 2, 1e15, 0.4, 100e9)
+    assert short.exposed_seconds == pytest.approx(0.17332)
+
+
+def test_tp_comm_to_compute_by_hand():
+    # (t-1)/h x b/9 x peak x MFU / B. t = 2, h = 1,000, bf16, 9e12 FLOP/s, B = 1 GB/s:
+    # 1/1000 x 2/9 x 9e12 / 1e9 = 2.
+    assert tp_comm_to_compute(2, 1000, 9e12, 1.0, 1e9) == pytest.approx(2.0)
+    # t = 8, h = 4,096, bf16, 1e15 x 0.4, 450 GB/s: 7 x 2 x 4e14 / (9 x 4096 x 4.5e11)
+    # = 5.6e15 / 1.65888e16 = 0.33757...
+    assert tp_comm_to_compute(8, 4096, 1e15, 0.4, 450e9) == pytest.approx(5.6e15 / 1.65888e16)
+    assert tp_comm_to_compute(1, 4096, 1e15, 0.4, 450e9) == 0.0
+    # fp32 activations send twice the bytes.
+    assert tp_comm_to_compute(8, 4096, 1e15, 0.4, 450e9, bytes_per_value=4) == pytest.approx(
+        2 * 5.6e15 / 1.65888e16
+    )
+
+
+@given(st.integers(2, 64), st.integers(256, 65536))
+def test_tp_ratio_halves_with_twice_the_width_or_the_link(t, h):
+    ratio = tp_comm_to_compute(t, h, 1e15, 0.5, 1e11)
+    assert tp_comm_to_compute(t, 2 * h, 1e15, 0.5, 1e11) == pytest.approx(ratio / 2)
+    assert tp_comm_to_compute(t, h, 1e15, 0.5, 2e11) == pytest.approx(ratio / 2)
+
+
+@pytest.mark.parametrize(
+    ("call", "named"),
+    [
+        (lambda: dp_hiding_threshold_tokens(0, 2, 1e15, 0.4, 1e11), "ranks"),
+        (lambda: dp_hiding_threshold_tokens(8, 0, 1e15, 0.4, 1e11), "bytes_per_element"),
+        (lambda: dp_hiding_threshold_tokens(8, 2, 1e15, 1.5, 1e11), "mfu"),
+        (lambda: dp_hiding_threshold_tokens(8, 2, 1e15, 0.4, 0), "link_bandwidth"),
+        (lambda: data_parallel_step(7e9, 0, 8, 2, 1e15, 0.4, 1e11), "tokens_per_gpu"),
+        (lambda: data_parallel_step(0.5, 10, 8, 2, 1e15, 0.4, 1e11), "params"),
+        (lambda: tp_comm_to_compute(0, 4096, 1e15, 0.4, 1e11), "shards"),
+        (lambda: tp_comm_to_compute(8, 0, 1e15, 0.4, 1e11), "hidden"),
+        (lambda: tp_comm_to_compute(8, 4096, -1, 0.4, 1e11), "peak_flops"),
+    ],
+)
+def test_hiding_arguments_are_named(call, named):
+    with pytest.raises(ValueError, match=named):
+        call()

@@ -112,3 +112,131 @@ def test_flops_per_token_conventions_by_hand():
     assert megatron == pytest.approx(8_053_063_680_000 * (1 + 2 / 150 + 1 / 1024), rel=1e-12)
     with pytest.raises(ValueError, match="convention"):
         flops_per_token(*llama, "hardware")
+
+
+def test_palm_count_is_2_34_times_6n_for_llama3_at_131072_tokens():
+    from trainscale.compute import ModelShape, convert_utilisation
+
+    shape = ModelShape(405_000_000_000, 126, 16384, 131072, 128000)
+    # 12 L h s = 12 x 126 x 16,384 x 131,072 = 3,246,995,275,776 FLOPs per token.
+    assert shape.flops_per_token("palm") == 2_430_000_000_000 + 3_246_995_275_776
+    ratio = shape.flops_per_token("palm") / shape.flops_per_token("6n")
+    assert ratio == pytest.approx(2.3362, abs=1e-4)
+    # Table 4's 380 TFLOP/s of 989 is 38.4 % in PaLM's count, 38.4 / 2.3362 = 16.4 % in 6N.
+    assert convert_utilisation(380 / 989, "palm", "6n", shape) == pytest.approx(0.1645, abs=1e-4)
+
+
+def test_megatron_table_1_smallest_run_is_29_5_percent_in_6n():
+    from trainscale.compute import ModelShape, convert_utilisation, megatron_params
+
+    # eq. 2: 12 x 24 x 2304^2 + 13 x 24 x 2304 + (51,200 + 2,048) x 2,304
+    n = megatron_params(24, 2304, 2048, 51200)
+    assert n == 1_528_823_808 + 718_848 + 122_683_392 == 1_652_226_048
+    shape = ModelShape(n, 24, 2304, 2048, 51200)
+    # eq. 3 per token: 96 x 24 x 2304^2 x (1 + 2048/13824 + 51200/884736) = 1.4750e10
+    assert shape.flops_per_token("megatron") == pytest.approx(1.47504e10, rel=1e-5)
+    # 137/312 = 43.9 % as counted; x 6N / eq. 3 = 0.6721 gives 29.5 %.
+    assert convert_utilisation(137 / 312, "megatron", "6n", shape) == pytest.approx(
+        0.2951, abs=1e-4
+    )
+
+
+def test_hfu_adds_the_recomputed_share_of_the_forward_pass():
+    from trainscale.compute import flops_per_token
+
+    # N = 10, L = 1, h = 2, s = 3: 6N = 60, attention 12 x 1 x 2 x 3 = 72, PaLM 132.
+    args = (10, 1, 2, 3, 5)
+    assert flops_per_token(*args, "palm") == 132
+    assert flops_per_token(*args, "hfu", recomputed=0.0) == 132
+    # Full recomputation repeats the forward pass, 2N + 4Lhs = 44: 8N + 16Lhs = 176.
+    assert flops_per_token(*args, "hfu", recomputed=1.0) == pytest.approx(176)
+    assert flops_per_token(*args, "hfu", recomputed=0.5) == pytest.approx(154)
+    with pytest.raises(ValueError, match="recomputed"):
+        flops_per_token(*args, "hfu", recomputed=1.5)
+
+
+def test_every_convention_is_documented_and_only_recomputation_is_not_model_work():
+    from trainscale.compute import FLOP_CONVENTIONS, FLOPS_CONVENTIONS
+
+    assert FLOPS_CONVENTIONS == ("6n", "palm", "megatron", "hfu")
+    assert {k for k, c in FLOP_CONVENTIONS.items() if c.model_flops} == {"6n", "palm"}
+    for key, convention in FLOP_CONVENTIONS.items():
+        assert convention.key == key
+        assert convention.counts and convention.used_by and convention.per_token
+
+
+@given(
+    st.floats(0.01, 1.0),
+    st.sampled_from(["6n", "palm", "megatron", "hfu"]),
+    st.sampled_from(["6n", "palm", "megatron", "hfu"]),
+    st.integers(1, 200),
+    st.integers(64, 32768),
+    st.integers(128, 1_048_576),
+)
+def test_converting_there_and_back_returns_the_utilisation(value, a, b, layers, hidden, seq):
+    from trainscale.compute import ModelShape, convert_utilisation
+
+    shape = ModelShape(12 * layers * hidden * hidden, layers, hidden, seq, 50_000)
+    there = convert_utilisation(value, a, b, shape, recomputed=1.0)
+    assert convert_utilisation(there, b, a, shape, recomputed=1.0) == pytest.approx(value)
+
+
+def test_convert_utilisation_names_its_bad_arguments():
+    from trainscale.compute import ModelShape, convert_utilisation
+
+    shape = ModelShape(1_000, 1, 8, 16, 32)
+    with pytest.raises(ValueError, match="shape"):
+        convert_utilisation(0.4, "6n", "palm", (1_000, 1, 8, 16, 32))
+    with pytest.raises(ValueError, match="value"):
+        convert_utilisation(0.0, "6n", "palm", shape)
+    with pytest.raises(ValueError, match="convention"):
+        convert_utilisation(0.4, "6n", "kaplan", shape)
+    with pytest.raises(ValueError, match="layers"):
+        ModelShape(1_000, 0, 8, 16, 32)
+
+
+def test_published_utilisations_agree_with_the_planners_step_times():
+    from trainscale.compute import PUBLISHED_UTILISATION
+    from trainscale.planner import published_runs, reported_mfu_6n
+
+    def key(gpus, layers, seq_len):
+        return gpus, layers, seq_len
+
+    ours = {key(r.gpus, r.shape.layers, r.shape.seq_len): r for r in PUBLISHED_UTILISATION}
+    matched = 0
+    for run in published_runs():
+        row = ours[key(run.gpus, run.layers, run.seq_len)]
+        # The planner's rows round N as the papers print it (18.4e9, not eq. 2's 18.45e9).
+        assert row.utilisation("6n") == pytest.approx(reported_mfu_6n(run), rel=5e-3)
+        matched += 1
+    assert matched == 6
+
+
+def test_mt_nlg_counted_recomputation_its_step_time_says_so():
+    from trainscale.compute import PUBLISHED_UTILISATION
+
+    row = next(r for r in PUBLISHED_UTILISATION if r.name == "MT-NLG 530B on 2,240 A100s")
+    # Section 2.4: batch 1,920 x 2,048 tokens in 60.1 s on 2,240 GPUs; 6N per token.
+    six_n = 1920 * 2048 / 60.1 / 2240 * 6 * row.shape.params / 312e12
+    assert row.utilisation("6n") == pytest.approx(six_n, rel=5e-3)
+    assert six_n == pytest.approx(0.298, abs=1e-3)
+
+
+def test_published_utilisation_rejects_bad_rows():
+    from trainscale.compute import ModelShape, PublishedUtilisation
+
+    shape = ModelShape(1_000, 1, 8, 16, 32)
+    good = {
+        "name": "x",
+        "source": "y",
+        "convention": "palm",
+        "flops_per_gpu": 1e12,
+        "peak_flops": 2e12,
+        "shape": shape,
+        "gpus": 8,
+        "kind": "benchmark",
+    }
+    assert PublishedUtilisation(**good).reported == 0.5
+    for field, bad in (("kind", "guess"), ("convention", "?"), ("flops_per_gpu", 3e12)):
+        with pytest.raises(ValueError, match=field):
+            PublishedUtilisation(**(good | {field: bad}))

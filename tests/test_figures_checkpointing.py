@@ -45,3 +45,27 @@ def test_layer_bytes_draw_measured_bars_and_estimate_lines(no_pyplot_figures):
     assert ax.get_xlim() == pytest.approx((0.0, 6.0 * 1.15))
     assert ax.get_title() == "one layer"
     svg_text(fig)
+
+
+def test_recompute_slowdown_draws_measured_points_and_counted_lines(no_pyplot_figures):
+    references = {"FLOPs, counted: 63/47": 63 / 47, "operator calls, counted: 5/3": 5 / 3}
+    fig = figures.recompute_slowdown(
+        [16, 64, 256], [2.5, 1.8, 1.4], references, "slowdown", "width", "measured on a CPU"
+    )
+    ax = fig.axes[0]
+    measured = ax.lines[0]
+    assert list(measured.get_xdata()) == [16, 64, 256]
+    assert list(measured.get_ydata()) == [2.5, 1.8, 1.4]
+    assert "(measured)" in measured.get_label()
+    assert [line.get_label() for line in ax.lines[1:]] == list(references)
+    assert [line.get_ydata()[0] for line in ax.lines[1:]] == list(references.values())
+    assert ax.get_xscale() == "log"
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["16", "64", "256"]
+    assert ax.get_ylim() == pytest.approx((1.0, 2.5 * 1.08))
+    assert fig._supxlabel.get_text() == "measured on a CPU"
+    svg_text(fig)
+
+
+def test_recompute_slowdown_needs_one_slowdown_per_size():
+    with pytest.raises(ValueError, match="sizes and slowdowns"):
+        figures.recompute_slowdown([16, 32], [1.5], {}, "t", "x", "n")

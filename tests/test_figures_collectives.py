@@ -78,3 +78,53 @@ def test_bandwidth_figure_has_both_curves():
     fig = figures.bandwidth_against_size([4096, 2**20], [0.01, 0.5], [0.015, 0.75], 4)
     labels = [line.get_label() for line in fig.axes[0].get_lines()]
     assert labels == ["busbw = algbw x 2(N-1)/N", "algbw = bytes / time"]
+
+
+def test_alpha_beta_figure_draws_the_points_the_fit_and_both_terms():
+    from trainscale.collectives import AlphaBeta
+
+    fit = AlphaBeta(latency=1e-3, bandwidth=1e9, ranks=4)  # S* = 4 MB
+    sizes = [4096, 2**20, 16 * 2**20]
+    fig = figures.alpha_beta_fit(sizes, [fit.seconds(s) for s in sizes], fit)
+    ax = fig.axes[0]
+    lines = ax.get_lines()
+    measured, model, latency, bandwidth, crossover = lines
+    assert list(measured.get_xdata()) == sizes
+    assert list(measured.get_ydata()) == pytest.approx([fit.seconds(s) * 1e3 for s in sizes])
+    assert list(latency.get_ydata()) == pytest.approx([6.0] * 61)  # 2 x 3 x 1 ms
+    assert list(crossover.get_xdata()) == [pytest.approx(4e6)] * 2
+    # The two terms add up to the model everywhere.
+    total = [a + b for a, b in zip(latency.get_ydata(), bandwidth.get_ydata(), strict=True)]
+    assert total == pytest.approx(list(model.get_ydata()))
+    assert ax.get_yscale() == "log"
+
+
+def test_exposed_communication_shades_only_where_an_all_reduce_is_longer():
+    from trainscale.collectives import data_parallel_step, dp_hiding_threshold_tokens
+
+    tokens = [2.0**k for k in range(8, 17)]
+    sizes = {"bf16": 2, "fp32": 4}
+    steps = {
+        d: [data_parallel_step(7e9, t, 8, b, 1e15, 0.4, 100e9) for t in tokens]
+        for d, b in sizes.items()
+    }
+    thresholds = {d: dp_hiding_threshold_tokens(8, b, 1e15, 0.4, 100e9) for d, b in sizes.items()}
+    fig = figures.exposed_communication(tokens, steps, thresholds, "100 GB/s", 16384)
+    ax = fig.axes[0]
+    backward, bf16, bf16_threshold, fp32, fp32_threshold, marked = ax.get_lines()
+    assert backward.get_ydata()[0] == pytest.approx(4 * 7e9 * 256 / 4e14)  # 0.0448 s
+    assert list(bf16.get_ydata()) == pytest.approx([0.245] * len(tokens))  # 7/4 x 14 GB / 100 GB/s
+    assert list(fp32.get_ydata()) == pytest.approx([0.49] * len(tokens))
+    assert list(bf16_threshold.get_xdata()) == [pytest.approx(3500)] * 2
+    assert list(fp32_threshold.get_xdata()) == [pytest.approx(7000)] * 2
+    assert list(marked.get_xdata()) == [16384] * 2
+    labels = " ".join(t.get_text() for t in ax.texts)
+    assert "bf16 hides from 3,500 tokens" in labels
+    assert "fp32 hides from 7,000 tokens" in labels
+    # Each exposed region ends where its all-reduce crosses backward.
+    for shade, end in zip(ax.collections, (3500, 7000), strict=True):
+        xs = shade.get_paths()[0].vertices[:, 0]
+        assert xs.min() == pytest.approx(256)
+        assert xs.max() == pytest.approx(end)
+    again = figures.exposed_communication(tokens, steps, thresholds, "100 GB/s", 16384)
+    assert svg_text(fig) == svg_text(again)

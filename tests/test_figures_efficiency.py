@@ -16,3 +16,17 @@ def test_figures_draw_and_the_model_timeline_is_stable():
     ]
     assert all(isinstance(fig, BookFigure) for fig in drawn)
     assert svg_text(figures.loader_timeline(spans, "depth 1")) == svg_text(drawn[-1])
+
+
+def test_restated_utilisation_draws_one_row_per_run_and_refuses_ragged_input():
+    import pytest
+
+    fig = figures.restated_utilisation(
+        ["a", "b"], [0.43, 0.38], [0.40, 0.16], (0.27, 0.40), "restated"
+    )
+    assert isinstance(fig, BookFigure)
+    labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
+    assert labels == ["a", "b"]
+    assert "16.0%" in svg_text(fig)
+    with pytest.raises(ValueError, match="labels"):
+        figures.restated_utilisation(["a"], [0.4, 0.3], [0.3], (0.2, 0.4), "ragged")

@@ -1,5 +1,5 @@
-"""figures.precision: chapter 08's format ranges, gradient histogram, loss-scale trace and
-accumulation."""
+"""figures.precision: chapter 08's format ranges, gradient histogram, loss-scale trace,
+accumulation and fp8 cast histogram."""
 
 import math
 
@@ -12,7 +12,7 @@ from trainscale import figures
 from trainscale.figures.precision import power_label
 from trainscale.figures.style import svg_text
 from trainscale.loss_scaling import StepRecord
-from trainscale.precision import float_format
+from trainscale.precision import ScaledCast, float_format
 
 
 @pytest.fixture
@@ -42,6 +42,9 @@ def test_format_ranges_draw_subnormal_and_normal_bars(no_pyplot_figures):
     assert normal.get_x() == pytest.approx(-14 * math.log10(2))
     assert normal.get_x() + normal.get_width() == pytest.approx(math.log10(65504))
     assert len(ax.patches) == 4
+    assert ax.get_title() == "The range of each format: fp16's is narrow"
+    titled = figures.format_ranges([float_format(torch.float8_e4m3fn)], title="fp8")
+    assert titled.axes[0].get_title() == "fp8"
     svg_text(fig)
 
 
@@ -81,4 +84,20 @@ def test_accumulation_draws_one_line_per_format(no_pyplot_figures):
     assert [line.get_label() for line in ax.lines] == ["bf16", "fp32"]
     assert list(ax.lines[1].get_ydata()) == [1.0, 1.001, 1.002]
     assert ax.get_xlabel() == "updates of 0.001 added"
+    svg_text(fig)
+
+
+def test_scaled_cast_histogram_draws_the_fp8_bands(no_pyplot_figures):
+    e4m3 = float_format(torch.float8_e4m3fn)
+    values = torch.tensor([1e-5, -1.0, 100.0, 0.0], dtype=torch.float64)  # the 0 is left out
+    fig = figures.scaled_cast_histogram(values, 4.0, e4m3, ScaledCast(0.25, 0.0, 0.0123))
+    ax = fig.axes[0]
+    assert ax.get_title() == "Scale 2^2 = 4: 25.0% round to 0, 0.00% saturate, error 1.2%"
+    (bars,) = (p for p in ax.patches if isinstance(p, StepPatch))
+    assert sum(bars.get_data().values) == pytest.approx(100.0)
+    zero, subnormal, saturates = ax.patches[:3]  # bands: below 2^-10, to 2^-6, above 448
+    assert zero.get_x() + zero.get_width() == pytest.approx(-10 * math.log10(2))
+    assert subnormal.get_x() + subnormal.get_width() == pytest.approx(-6 * math.log10(2))
+    assert saturates.get_x() == pytest.approx(math.log10(448))
+    assert ax.get_xlabel() == "|value| x scale (as stored in float8_e4m3fn)"
     svg_text(fig)

@@ -3,7 +3,7 @@
 import pytest
 
 from trainscale import figures
-from trainscale.sharding import fsdp_moments
+from trainscale.sharding import fsdp_memory_moments, fsdp_moments
 
 
 def test_figures_draw():
@@ -14,3 +14,20 @@ def test_figures_draw():
     assert fig.axes[0].get_title().startswith("One FSDP step")
     with pytest.raises(ValueError, match="upto"):
         figures.fsdp_timeline(fsdp_moments(3), ["a", "b", "c"], upto=7)
+
+
+def test_memory_timeline_and_accumulation_traffic_draw():
+    moments = fsdp_memory_moments([[(4, 2)], [(3,)]], 2, rank=1)
+    totals = [m.total for m in moments]
+    fig = figures.fsdp_memory_timeline({"a": (moments, totals)}, ["u0", "u1"], "test")
+    assert len(fig.axes) == 1 and len(fig.axes[0].patches) == 5 * len(moments)
+    with pytest.raises(ValueError, match="measured"):
+        figures.fsdp_memory_timeline({"a": (moments, totals[:2])}, ["u0", "u1"], "test")
+    with pytest.raises(ValueError, match="panels"):
+        figures.fsdp_memory_timeline({}, ["u0"], "test")
+    fig = figures.zero_accumulation_traffic(
+        [1, 2, 4], {"DDP": [2, 2, 2], "ZeRO-3": [3, 6, 12]}, {"ZeRO-3": [3, 6, 12]}, "t"
+    )
+    assert fig.axes[0].get_ylabel() == "bytes per step / DDP's"
+    with pytest.raises(ValueError, match="first setup"):
+        figures.zero_accumulation_traffic([1], {"DDP": [0]}, {}, "t")

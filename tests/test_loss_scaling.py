@@ -102,8 +102,11 @@ def test_bit_strings_show_sign_exponent_mantissa():
     assert bit_string(1 / 3, torch.float32) == "0 01111101 01010101010101010101011"
     # bf16 is the top half of fp32, rounded to nearest
     assert bit_string(1 / 3, torch.bfloat16) == "0 01111101 0101011"
+    # fp8: e4m3 has a bias of 7 (1.0 = 2^(7-7)), e5m2 a bias of 15
+    assert bit_string(1.0, torch.float8_e4m3fn) == "0 0111 000"
+    assert bit_string(1.0, torch.float8_e5m2) == "0 01111 00"
     with pytest.raises(ValueError, match="dtype"):
-        bit_string(1.0, torch.float8_e4m3fn)
+        bit_string(1.0, torch.int32)
     with pytest.raises(ValueError, match="value"):
         bit_string("1", torch.float16)
 

@@ -63,7 +63,15 @@ def block(text: str, chapter: str) -> str:
         ("11", ["6ND = 6.0e+20 FLOPs, 187,500 s = 2.17 days"]),
         # 6 x 7e9 x 3000 / 312e12 = 40.4 %
         ("12", ["MFU 40.4%"]),
-        ("13", ["70B parameters on 8 nodes x 8 GPUs of 80 GB, global batch 64"]),
+        # 1,024 sequences x 4,096 tokens = 4,194,304 tokens, Llama 2 70B's "4M tokens";
+        # an "80 GB" H100 reports 81,559 MiB = 81,559 / 1,024 GiB = 79.65 GiB
+        (
+            "13",
+            [
+                "70B parameters on 8 nodes x 8 GPUs of 79.6 GiB, global batch 1,024 sequences"
+                " (4,194,304 tokens)"
+            ],
+        ),
     ],
 )
 def test_headline_numbers_match_hand_worked_ones(

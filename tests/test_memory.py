@@ -1,4 +1,4 @@
-"""memory: the 16 bytes, ZeRO shards and measured activations."""
+"""memory: the 16 bytes (and 18 and 20), ZeRO shards and measured activations."""
 
 import math
 from fractions import Fraction
@@ -11,15 +11,21 @@ from hypothesis import strategies as st
 
 from trainscale.memory import (
     BYTES_PER_PARAM,
+    FP16_GRADIENTS_WITH_FP32_COPY,
+    FP32_MAIN_GRADIENTS,
+    FP32_WEIGHTS_AND_GRADIENTS,
     GIB,
+    MIXED_16BIT_GRADIENTS,
     OPTIMIZER_STATE,
     STATE_GROUPS,
+    StateDtypes,
     mlp_stack,
     model_state_bytes,
     model_state_gib,
     model_state_groups,
     model_state_parts,
     saved_activation_bytes,
+    state_bytes_per_param,
 )
 
 
@@ -161,3 +167,96 @@ def test_mlp_stack_weights_are_rounded_once_as_on_an_fma_cpu():
 def test_mlp_stack_rejects_zero_blocks():
     with pytest.raises(ValueError, match="blocks"):
         mlp_stack(blocks=0)
+
+
+# --- The dtype of each part: 16, 18 or 20 bytes per parameter ------------------------
+
+
+def test_default_dtypes_are_the_book_s_16_bytes():
+    assert state_bytes_per_param() == BYTES_PER_PARAM == state_bytes_per_param(StateDtypes())
+    assert BYTES_PER_PARAM == {
+        "weights": 2,
+        "gradients": 2,
+        "master weights": 4,
+        "Adam momentum": 4,
+        "Adam variance": 4,
+    }
+    assert StateDtypes() == MIXED_16BIT_GRADIENTS
+
+
+def test_fp32_main_gradients_cost_18_bytes():
+    # Megatron-Core --bf16: bf16 weights 2, fp32 main grads 4, fp32 master 4, Adam 4 + 4.
+    assert state_bytes_per_param(FP32_MAIN_GRADIENTS) == {
+        "weights": 2,
+        "gradients": 4,
+        "master weights": 4,
+        "Adam momentum": 4,
+        "Adam variance": 4,
+    }
+    assert model_state_bytes(7e9, dtypes=FP32_MAIN_GRADIENTS) == 126 * 10**9  # 18 x 7e9
+
+
+def test_fp16_gradients_with_an_fp32_copy_cost_20_bytes():
+    # Megatron-Core --fp16: fp16 weights 2 and grads 2, fp32 grad copy 4, master 4, Adam 8.
+    parts = state_bytes_per_param(FP16_GRADIENTS_WITH_FP32_COPY)
+    assert parts == {
+        "weights": 2,
+        "gradients": 2,
+        "gradient copy": 4,
+        "master weights": 4,
+        "Adam momentum": 4,
+        "Adam variance": 4,
+    }
+    assert sum(parts.values()) == 20
+
+
+def test_fp32_weights_and_gradients_keep_no_master_copy():
+    # FSDP2 with an fp32 model and bf16 compute: fp32 weights 4, grads 4, Adam 8.
+    assert state_bytes_per_param(FP32_WEIGHTS_AND_GRADIENTS) == {
+        "weights": 4,
+        "gradients": 4,
+        "Adam momentum": 4,
+        "Adam variance": 4,
+    }
+    assert model_state_groups(1, dtypes=FP32_WEIGHTS_AND_GRADIENTS) == {
+        "weights": 4,
+        "gradients": 4,
+        "optimiser state": 8,
+    }
+
+
+@pytest.mark.parametrize(
+    ("dtypes", "replicated", "sharded"),
+    [
+        # Megatron-Core's distributed optimizer table: 4 + 16/d, 6 + 12/d, 8 + 8/d.
+        (FP16_GRADIENTS_WITH_FP32_COPY, 4, 16),
+        (FP32_MAIN_GRADIENTS, 6, 12),
+        (FP32_WEIGHTS_AND_GRADIENTS, 8, 8),
+    ],
+)
+def test_zero_1_reproduces_megatron_distributed_optimizer_table(dtypes, replicated, sharded):
+    for d in (1, 2, 8, 64):
+        per_param = Fraction(model_state_bytes(d * 1000, d, 1, dtypes), d * 1000)
+        assert per_param == replicated + Fraction(sharded, d)
+
+
+def test_the_gradient_copy_is_optimiser_state():
+    groups = model_state_groups(8, 8, 1, FP16_GRADIENTS_WITH_FP32_COPY)
+    # 8 parameters on 8 GPUs at ZeRO-1: 16 + 16 bytes whole, (4 + 4 + 8) x 1 sharded.
+    assert groups == {"weights": 16, "gradients": 16, "optimiser state": 16}
+
+
+@pytest.mark.parametrize(
+    ("dtypes", "name"),
+    [
+        (StateDtypes(weights=torch.int32), "weights"),
+        (StateDtypes(gradients=None), "gradients"),  # type: ignore[arg-type]
+        (StateDtypes(master_weights=torch.int8), "master_weights"),
+        (StateDtypes(optimizer_moments="fp32"), "optimizer_moments"),  # type: ignore[arg-type]
+        (StateDtypes(gradient_copy=torch.bool), "gradient_copy"),
+        ("bf16", "dtypes"),
+    ],
+)
+def test_bad_dtypes_are_named(dtypes, name):
+    with pytest.raises(ValueError, match=name):
+        state_bytes_per_param(dtypes)

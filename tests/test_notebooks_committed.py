@@ -6,6 +6,8 @@ without outputs passes trivially. These checks close that gap.
 
 import ast
 import json
+import re
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -103,3 +105,35 @@ def test_first_code_cell_installs_the_package_on_colab_only(notebook):
     first = "".join(_code_cells(notebook)[0]["source"])
     assert 'if "google.colab" in sys.modules:' in first
     assert f'repository = "{config["repository"]["url"]}"' in first
+
+
+def _calls(source: str, pattern: str) -> bool:
+    return re.search(pattern, source) is not None
+
+
+def test_quiz_source_is_out_of_sight_and_slider_glue_collapsed(notebook):
+    """The quiz cell lists every choice with True/False: removed on the website and
+    collapsed in JupyterLab. Slider set-up is plumbing: collapsed on the website."""
+    for index, cell in enumerate(_code_cells(notebook)):
+        source = "".join(cell["source"])
+        tags = cell["metadata"].get("tags", [])
+        if _calls(source, r"(^|\n)quiz\("):
+            assert "remove-input" in tags, f"code cell {index}: quiz source shown on the site"
+            assert cell["metadata"].get("jupyter", {}).get("source_hidden") is True, (
+                f"code cell {index}: quiz source open in JupyterLab"
+            )
+        elif _calls(source, r"widgets\.(slider|two_sliders)\("):
+            assert "hide-input" in tags, f"code cell {index}: slider set-up not collapsed"
+
+
+def test_the_correct_answer_is_not_always_in_the_same_place():
+    """Across the book, no letter is the correct answer of more than half the questions."""
+    letters = []
+    for path in NOTEBOOKS:
+        for cell in _code_cells(json.loads(path.read_text())):
+            for output in cell["outputs"]:
+                page = "".join(output.get("data", {}).get("text/html", ""))
+                letters += re.findall(r'<details class="right"[^>]*><summary>([A-H])\.', page)
+    assert len(letters) >= 13, "every chapter has a quiz"
+    letter, count = Counter(letters).most_common(1)[0]
+    assert count <= len(letters) / 2, f"{letter} is correct in {count} of {len(letters)}"

@@ -21,8 +21,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "precision",
         "checkpointing",
         "schedule",
+        "batch_size",
         "transformer",
         "published",
+        "reliability",
     ),
     # 2: simulations and measurements in one process.
     ("parallel", "loss_scaling", "stability", "efficiency"),

@@ -4,23 +4,28 @@ import math
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
 from trainscale.collectives import ring_bytes_per_rank
 from trainscale.memory import mlp_stack
 from trainscale.parallel import (
+    IGNORE_INDEX,
     accumulated_gradient,
+    accumulated_token_gradient,
     attention_by_heads,
     checkpointed_gradient,
     data_parallel_gradient,
     first_matrix_by_rows_mlp,
     full_batch_gradient,
     multi_head_attention,
+    padded_micro_batches,
     tensor_parallel_mlp,
     tensor_parallel_shapes,
     tensor_parallel_traffic,
+    token_count,
+    token_mean_gradient,
 )
 
 loss = nn.functional.mse_loss
@@ -242,3 +247,94 @@ def test_attention_names_bad_arguments():
         multi_head_attention(x, *weights, 3)
     with pytest.raises(ValueError, match="wo"):
         multi_head_attention(x, *weights[:3], torch.zeros(16, 8), 4)
+
+
+# --- gradient accumulation of a token loss ------------------------------------------------
+
+
+def _zero_classifier() -> nn.Linear:
+    """One input feature, two classes, weights 0: every softmax is (1/2, 1/2), so a
+    token with input x and label c adds (1/2 - [k == c]) * x to row k of the gradient."""
+    layer = nn.Linear(1, 2, bias=False).double()
+    nn.init.zeros_(layer.weight)
+    return layer
+
+
+def _hand_worked_batches():
+    # Micro-batch A: one token (x = 1, label 0) and a padded position (x = 7, ignored).
+    # Micro-batch B: three tokens (x = 1, label 1).
+    a = (torch.tensor([[1.0], [7.0]], dtype=torch.float64), torch.tensor([0, IGNORE_INDEX]))
+    b = (torch.ones(3, 1, dtype=torch.float64), torch.tensor([1, 1, 1]))
+    return [a, b]
+
+
+def test_token_gradients_hand_worked():
+    # Per token, row 0 of the gradient: A's token -1/2, each of B's +1/2.
+    # Full batch, mean over 4 tokens: (-1/2 + 3/2) / 4 = +1/4 (row 1: -1/4).
+    # Mean per micro-batch, / 2: (-1/2 + 1/2) / 2 = 0: the one token of A weighs as much
+    # as B's three together. Summed loss / 4 tokens: +1/4 again.
+    model, batches = _zero_classifier(), _hand_worked_batches()
+    full = token_mean_gradient(model, batches)["weight"]
+    wrong = accumulated_token_gradient(model, batches, "micro-batch mean")["weight"]
+    right = accumulated_token_gradient(model, batches, "global token count")["weight"]
+    assert full.flatten().tolist() == pytest.approx([0.25, -0.25], abs=1e-15)
+    assert wrong.flatten().tolist() == pytest.approx([0.0, 0.0], abs=1e-15)
+    assert right.flatten().tolist() == pytest.approx([0.25, -0.25], abs=1e-15)
+
+
+@settings(max_examples=20)  # each example runs up to 6 backward passes
+@given(
+    st.lists(st.integers(0, 6), min_size=1, max_size=5).filter(lambda t: sum(t) > 0),
+    st.integers(0, 3),
+)
+def test_global_token_count_is_the_full_batch_mean_for_any_counts(tokens, seed):
+    model = mlp_stack(width=4, blocks=1).double()
+    batches = padded_micro_batches(tokens, 6, features=4, classes=4, seed=seed)
+    assert _close(
+        accumulated_token_gradient(model, batches, "global token count"),
+        token_mean_gradient(model, batches),
+        atol=1e-12,
+    )
+
+
+@given(st.integers(1, 6), st.integers(1, 5))
+def test_micro_batch_mean_is_exact_when_every_micro_batch_has_as_many_tokens(tokens, k):
+    model = mlp_stack(width=4, blocks=1).double()
+    batches = padded_micro_batches([tokens] * k, 6, features=4, classes=4)
+    assert _close(
+        accumulated_token_gradient(model, batches, "micro-batch mean"),
+        token_mean_gradient(model, batches),
+        atol=1e-12,
+    )
+
+
+def test_padded_micro_batches_pad_after_the_real_tokens():
+    batches = padded_micro_batches([3, 0, 5], 5, features=2, classes=3, seed=1)
+    assert [tuple(x.shape) for x, _ in batches] == [(5, 2)] * 3
+    assert [token_count(y) for _, y in batches] == [3, 0, 5]
+    assert batches[0][1][3:].tolist() == [IGNORE_INDEX] * 2
+    assert all(0 <= int(c) < 3 for c in batches[2][1])
+    assert batches[0][0].dtype == torch.float64
+    again = padded_micro_batches([3, 0, 5], 5, features=2, classes=3, seed=1)
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(batches, again, strict=True))
+    assert token_count(torch.tensor([3, IGNORE_INDEX, 0])) == 2
+
+
+def test_token_functions_name_bad_arguments():
+    model = _zero_classifier()
+    with pytest.raises(ValueError, match="tokens must be a non-empty list"):
+        padded_micro_batches([2, 9], 8, features=1, classes=2)
+    with pytest.raises(ValueError, match="tokens must be a non-empty list"):
+        padded_micro_batches([], 8, features=1, classes=2)
+    with pytest.raises(ValueError, match="classes"):
+        padded_micro_batches([2], 8, features=1, classes=1)
+    with pytest.raises(ValueError, match="normalise"):
+        accumulated_token_gradient(model, _hand_worked_batches(), "mean")
+    padding_only = padded_micro_batches([0, 0], 2, features=1, classes=2)
+    with pytest.raises(ValueError, match="at least one real"):
+        token_mean_gradient(model, padding_only)
+    with pytest.raises(ValueError, match="at least one real"):
+        accumulated_token_gradient(model, [], "global token count")
+    one_empty = padded_micro_batches([2, 0], 2, features=1, classes=2)
+    with pytest.raises(ValueError, match="each hold a real token"):
+        accumulated_token_gradient(model, one_empty, "micro-batch mean")

@@ -11,7 +11,9 @@ from trainscale import planner as P
 from trainscale.compute import training_seconds
 from trainscale.memory import model_state_bytes
 
-M70, H100, BATCH = P.EXAMPLE_MODEL, P.EXAMPLE_CLUSTER, P.EXAMPLE_GLOBAL_BATCH
+# The hand-worked numbers below take a batch of 64 sequences (the chapter's example now
+# takes P.EXAMPLE_GLOBAL_BATCH, 1,024; nbval and tests/test_main.py check what it prints).
+M70, H100, BATCH = P.EXAMPLE_MODEL, P.EXAMPLE_CLUSTER, 64
 SBH_70B = 4096 * 8192  # s * h for one sequence of the worked example
 RATE = 989e12 * 0.6  # the H100's FLOP/s at the default kernel efficiency
 
@@ -257,6 +259,30 @@ def test_no_layout_fits_the_70b_without_splitting_the_model(layouts_70b):
     alone = [lay for lay in layouts_70b if lay.shape == (1, 1, 64) and lay.zero_stage == 0]
     assert {lay.verdict for lay in alone} == {"out of memory", "invalid"}  # micro-batches > 1
     assert all(lay.memory_bytes > 1.12e12 for lay in alone if lay.verdict != "invalid")
+    # The note compares with the capacity the H100 reports, in GiB: 81,559 MiB / 1,024.
+    oom = next(lay for lay in alone if lay.verdict == "out of memory")
+    assert any(note.endswith("GiB per GPU, over 90% of 79.6 GiB") for note in oom.notes)
+
+
+def test_a_layout_fits_in_what_the_gpu_reports_not_in_80e9_bytes(layouts_70b):
+    # Capacity in the plan is 0.9 x 81,559 x 2**20 = 76.97e9 bytes; with 80e9 bytes it was
+    # 72e9. A layout whose fullest GPU needs between the two fits now and did not before.
+    usable = 0.9 * 81_559 * 2**20
+    assert usable == pytest.approx(76.969e9, rel=1e-4)
+    between = [lay for lay in layouts_70b if 72e9 < lay.memory_bytes <= usable]
+    assert between and all("out of memory" not in lay.problems for lay in between)
+    marketed = P.Cluster(nodes=8, **(P.H100_NODE | {"memory_bytes": 80e9}))
+    for lay in between:
+        again = P.evaluate(
+            M70,
+            marketed,
+            BATCH,
+            *lay.shape,
+            lay.zero_stage,
+            lay.recompute,
+            lay.micro_batch,
+        )
+        assert "out of memory" in again.problems
 
 
 # --- Properties on random small clusters -----------------------------------------------------
@@ -351,12 +377,13 @@ def test_1t_on_16384_gpus_enumerates_every_layout():
 def test_nodes_come_from_the_gpu_table():
     assert P.H100_NODE == {
         "gpus_per_node": 8,
-        "memory_bytes": 80e9,
+        "memory_bytes": 81_559 * 2**20,  # what nvidia-smi reports: 79.6 GiB, not 80e9 bytes
         "peak_flops": 989e12,
         "intra_node_bandwidth": 450e9,
         "inter_node_bandwidth": 50e9,
     }
     assert P.A100_NODE["peak_flops"] == 312e12 and P.A100_NODE["inter_node_bandwidth"] == 25e9
+    assert P.A100_NODE["memory_bytes"] == 80 * 2**30  # 81,920 MiB: exactly 80 GiB
 
 
 def test_published_runs_become_planner_models_and_clusters():

@@ -48,7 +48,27 @@ def test_gpu_table():
     assert GPUS["A100-80GB"].peak_flops == 312e12 and GPUS["H100-80GB"].peak_flops == 989e12
     assert GPUS["A100-80GB"].nvlink_bandwidth == 300e9  # 600 GB/s both ways together
     assert GPUS["H100-80GB"].nvlink_bandwidth == 450e9  # 900 GB/s both ways together
-    assert {gpu.memory_bytes for gpu in GPUS.values()} == {80e9}
+    assert GPUS["H200"].peak_flops == 989e12 and GPUS["H200"].nvlink_bandwidth == 450e9
+
+
+@pytest.mark.parametrize(
+    ("gpu", "mib", "gib", "marketed_gb"),
+    [
+        # nvidia-smi's totals in MiB; / 1,024 = GiB; x 2**20 / 1e9 = GB
+        ("A100-80GB", 81_920, 80.0, 85.9),  # exactly 80 GiB
+        ("H100-80GB", 81_559, 79.6, 85.5),  # 81,559 / 1,024 = 79.65 GiB
+        ("H200", 143_771, 140.4, 150.8),  # "141 GB" on the datasheet
+        ("B200", 183_359, 179.1, 192.3),  # "180 GB" (or 192 GB) on the datasheets
+        ("RTX 4090", 24_564, 24.0, 25.8),  # "24 GB": 23.99 GiB
+    ],
+)
+def test_gpu_memory_is_what_the_device_reports(
+    gpu: str, mib: int, gib: float, marketed_gb: float
+) -> None:
+    memory = GPUS[gpu].memory_bytes
+    assert memory == mib * 2**20
+    assert round(memory / 2**30, 1) == gib
+    assert round(memory / 1e9, 1) == marketed_gb
 
 
 def test_six_runs_consistent_and_cited():

@@ -14,9 +14,12 @@ from trainscale.sharding import (
     STAGE_NAMES,
     ZERO_COLLECTIVES,
     bytes_per_param,
+    decoder_units,
     fsdp_collectives,
+    fsdp_memory_moments,
     fsdp_moments,
     fsdp_padded_numel,
+    fsdp_peak,
     fsdp_shard_numels,
     fsdp_shard_rows,
     fsdp_state_bytes,
@@ -268,3 +271,119 @@ def test_fsdp_moments_name_bad_arguments():
         fsdp_moments(0)
     with pytest.raises(ValueError, match="prefetch"):
         fsdp_moments(3, prefetch=1)
+
+
+def test_forward_prefetch_keeps_the_next_layer_whole_without_reordering():
+    moments = fsdp_moments(5)
+    assert [sorted(m.whole) for m in moments[:5]] == [[0, 1], [1, 2], [2, 3], [3, 4], [4]]
+    assert [m.all_gathers for m in moments[:5]] == [(0, 1), (2,), (3,), (4,), ()]
+    plain = fsdp_moments(5, prefetch=False)
+    assert [sorted(m.whole) for m in plain[:5]] == [[0], [1], [2], [3], [4]]
+    assert fsdp_collectives(plain) != fsdp_collectives(moments)  # backward differs...
+    forward = fsdp_collectives(moments)[:5]
+    assert forward == [("all-gather", i) for i in range(5)]  # ...forward order does not
+
+
+# --- Working memory of an FSDP2 step -----------------------------------------------------
+
+# Two units on 2 ranks: unit 0 one (4, 2) tensor (8 values, 4 per rank, whole 8);
+# unit 1 one (3,) tensor (shards of 2 and 1, padded to 2, whole 4).
+TINY = [[(4, 2)], [(3,)]]
+
+
+def test_memory_moments_by_hand_on_rank_1():
+    moments = fsdp_memory_moments(TINY, 2, rank=1)
+    assert [(m.phase, m.unit) for m in moments] == [
+        ("forward", 0),
+        ("forward", 1),
+        ("backward", 1),
+        ("backward", 0),
+        ("optimiser", None),
+    ]
+    # sharded weights: 4 B x (4 + 2) padded = 24; Adam: 8 B x (4 + 1) held = 40
+    assert {m.sharded_weights for m in moments} == {24}
+    assert {m.optimizer_state for m in moments} == {40}
+    # forward: the unit's gathered weights and its all-gather buffer: 2 x 4 B x whole
+    assert [m.whole_weights for m in moments[:2]] == [64, 32]
+    # backward of 1: unit 1 (4 x 4) and unit 0 prefetched (4 x 8); its gradients 4 x 3
+    assert (moments[2].whole_weights, moments[2].whole_gradients) == (48, 12)
+    assert moments[2].gradient_shards == 0
+    # backward of 0: unit 0 (32); its gradients (4 x 8) and unit 1's reduce-scatter
+    # input (4 x 4); unit 1's gradient shard (4 x 2)
+    assert (moments[3].whole_weights, moments[3].whole_gradients) == (32, 48)
+    assert moments[3].gradient_shards == 8
+    assert [m.total for m in moments] == [128, 96, 124, 152, 88]
+    assert fsdp_peak(TINY, 2, rank=1) == moments[3]
+    assert moments[-1].whole == 0 and moments[-1].sharded == 24 + 24 + 40
+
+
+def test_memory_moments_prefetch_and_dtypes():
+    # explicit forward prefetch adds the next unit's all-gather buffer: 4 x (16 + 4)
+    ahead = fsdp_memory_moments(TINY, 2, 1, forward_prefetch=1)
+    assert ahead[0].whole_weights == 80
+    assert fsdp_memory_moments(TINY, 2, 1, backward_prefetch=0)[2].whole_weights == 16
+    # bf16 compute, fp32 reduce: backward of 0 holds 2 x 8 of weights, 2 x 8 of gradients
+    # and 4 x 4 of unit 1's reduce-scatter input
+    mixed = fsdp_memory_moments(TINY, 2, 1, compute_bytes=2, reduce_bytes=4)[3]
+    assert (mixed.whole_weights, mixed.whole_gradients) == (16, 32)
+    # rank 0 holds 2 of unit 1's 3 values: Adam 8 x (4 + 2)
+    assert fsdp_memory_moments(TINY, 2, 0)[0].optimizer_state == 48
+
+
+@given(st.lists(st.integers(1, 50), min_size=1, max_size=6), st.integers(1, 5), st.integers(0, 2))
+def test_memory_moments_hold_the_state_and_at_most_the_prefetched_units(sizes, world, ahead):
+    units = [[(n,)] for n in sizes]
+    moments = fsdp_memory_moments(units, world, forward_prefetch=ahead)
+    state = fsdp_state_bytes([(n,) for n in sizes], world, 0)
+    assert moments[-1].optimizer_state == state["Adam momentum"] + state["Adam variance"]
+    assert moments[-1].sharded_weights >= state["weights"]
+    whole = [world * math.ceil(n / world) for n in sizes]
+    for m in moments[: len(sizes)]:
+        assert m.whole_weights == 4 * (2 * whole[m.unit] + sum(whole[m.unit + 1 :][:ahead]))
+    assert max(m.total for m in moments) == fsdp_peak(units, world, forward_prefetch=ahead).total
+
+
+def test_decoder_units_by_hand():
+    # 70B, 80 layers, width 8192, 128,256 tokens: tables of 1,050,673,152; the blocks
+    # share 67,898,653,696 = 80 x 848,733,171 + 16, the head takes the 16.
+    units = decoder_units(70e9, 80, 8192, 128_256)
+    assert len(units) == 82
+    assert units[0] == [(1_050_673_152,)] and units[1] == [(848_733_171,)]
+    assert units[-1] == [(1_050_673_168,)]
+    assert sum(u[0][0] for u in units) == 70_000_000_000
+
+
+def test_zero_traffic_with_unsharded_gradient_accumulation():
+    k = 4
+    keep = {"micro_batches": k, "keep_unsharded_gradients": True}
+    # ZeRO-3: 4 forward and 4 backward all-gathers, one reduce-scatter: 9 passes
+    assert zero_traffic(7e9, 8, 3, **keep) == {
+        "all-gather of weights, forward": 4 * PASS,
+        "all-gather of weights, backward": 4 * PASS,
+        "reduce-scatter of gradients": PASS,
+    }
+    # ZeRO-2 falls back to ZeRO-1's traffic; DDP is unchanged
+    assert sum(zero_traffic(7e9, 8, 2, **keep).values()) == 2 * PASS
+    assert zero_traffic(7e9, 8, 0, **keep) == zero_traffic(7e9, 8, 0, micro_batches=k)
+
+
+@pytest.mark.parametrize(
+    ("call", "name"),
+    [
+        (lambda: fsdp_memory_moments([], 2), "units"),
+        (lambda: fsdp_memory_moments(["ab"], 2), "units"),
+        (lambda: fsdp_memory_moments(TINY, 0), "world_size"),
+        (lambda: fsdp_memory_moments(TINY, 2, rank=2), "rank"),
+        (lambda: fsdp_memory_moments(TINY, 2, forward_prefetch=-1), "forward_prefetch"),
+        (lambda: fsdp_memory_moments(TINY, 2, backward_prefetch=0.5), "backward_prefetch"),
+        (lambda: fsdp_memory_moments(TINY, 2, compute_bytes=0), "compute_bytes"),
+        (lambda: fsdp_memory_moments(TINY, 2, reduce_bytes=0), "reduce_bytes"),
+        (lambda: fsdp_memory_moments(TINY, 2, shard_bytes=0), "shard_bytes"),
+        (lambda: decoder_units(1e6, 2, 1000, 1000), "params"),
+        (lambda: decoder_units(7e9, 0, 4096, 32_000), "layers"),
+        (lambda: zero_traffic(1e9, 8, 3, keep_unsharded_gradients=1), "keep_unsharded"),
+    ],
+)
+def test_memory_functions_name_bad_arguments(call, name):
+    with pytest.raises(ValueError, match=name):
+        call()

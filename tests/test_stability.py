@@ -11,18 +11,23 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from trainscale.batch_size import noise_estimates, per_example_gradients
 from trainscale.schedule import learning_rate
 from trainscale.stability import (
     LOSS_LIMIT,
     Run,
+    adam_step_sizes,
     best_possible_loss,
     decay_comparison,
     first_rise,
     linear_scaling_gap,
     model,
+    noise_scale_run,
     sample_batches,
+    sequence_loss,
     train,
     transition_matrix,
+    z_loss,
 )
 from trainscale.transformer import GPTConfig
 
@@ -285,3 +290,123 @@ def test_decay_comparison_arguments():
         decay_comparison((1.0, -1.0))
     with pytest.raises(ValueError, match="weight_decay"):
         decay_comparison(weight_decay=0)
+
+
+# --- remedies for spikes: z-loss, beta2 ------------------------------------------------------
+
+
+def test_z_loss_by_hand():
+    # Zero logits over 8 tokens: Z = 8. Logits (0, ln 3): Z = 1 + 3 = 4. Mean of squares.
+    logits = torch.tensor([[0.0] * 8, [0.0, math.log(3)] + [-math.inf] * 6], dtype=torch.float64)
+    expected = (math.log(8) ** 2 + math.log(4) ** 2) / 2
+    assert z_loss(logits).item() == pytest.approx(expected, rel=1e-14)
+    shifted = logits[:1] - math.log(8)  # a normaliser of exactly 1
+    assert z_loss(shifted).item() == pytest.approx(0.0, abs=1e-28)
+    with pytest.raises(ValueError, match="logits"):
+        z_loss(torch.tensor(1.0))
+
+
+def test_z_loss_changes_the_gradient_but_not_the_logged_loss():
+    plain = train(0.5, steps=2, config=TINY, batch=4)
+    with_z = train(0.5, steps=2, config=TINY, batch=4, z_loss=1.0)
+    assert with_z.losses[0] == plain.losses[0]  # the cross-entropy alone, same weights
+    assert with_z.grad_norms[0] != plain.grad_norms[0]  # z-loss adds its own gradient
+    assert with_z.losses[1] != plain.losses[1]
+
+
+def test_beta2_reaches_adamw():
+    a = train(0.01, steps=3, config=TINY, batch=4, optimizer="adamw")
+    b = train(0.01, steps=3, config=TINY, batch=4, optimizer="adamw", beta2=0.5)
+    assert a.losses[:2] == b.losses[:2]  # first step: sign(g) * lr whatever beta2
+    assert a.losses[2] != b.losses[2]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [({"z_loss": -1.0}, "z_loss"), ({"beta2": 1.0}, "beta2"), ({"beta2": -0.1}, "beta2")],
+)
+def test_remedy_arguments_are_checked(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        train(0.1, steps=2, config=TINY, batch=2, **kwargs)
+
+
+def test_qk_norm_runs_through_train():
+    normed = GPTConfig(vocab=8, context=8, d_model=8, layers=1, heads=2, qk_norm=True)
+    run = train(0.5, steps=3, config=normed, batch=4)
+    plain = train(0.5, steps=3, config=TINY, batch=4)
+    assert len(run.losses) == 3 and run.losses != plain.losses
+
+
+# --- the noise scale during a run ------------------------------------------------------------
+
+
+def test_noise_scale_run_is_the_same_run_and_measures_where_asked():
+    measured = noise_scale_run(0.5, 1, 1.0, at=[4, 0, 4], examples=6, steps=4, config=TINY, batch=4)
+    assert measured.run == train(0.5, 1, 1.0, steps=4, config=TINY, batch=4)
+    assert measured.at == (0, 4)
+    assert [e.examples for e in measured.estimates] == [6, 6]
+    assert [(a.examples, b.examples) for a, b in measured.halves] == [(3, 3), (3, 3)]
+    for whole, (first, second) in zip(measured.estimates, measured.halves, strict=True):
+        # tr(Sigma) of all six is not the mean of the halves' (their means differ), but close
+        assert whole.trace == pytest.approx((first.trace + second.trace) / 2, rel=0.5)
+    assert all(e.trace > 0 for e in measured.estimates)
+    positive = [e for e in measured.estimates if e.gradient_sq > 0]
+    assert [e.simple_noise_scale for e in positive] == [e.trace / e.gradient_sq for e in positive]
+
+
+def test_the_first_measurement_is_the_fresh_models():
+    measured = noise_scale_run(0.5, at=[0], examples=4, steps=2, config=TINY, batch=4)
+    chain = transition_matrix(TINY.vocab, 0)
+    held_out = sample_batches(chain, 1, 4, TINY.context, seed=2)[0]
+    grads = per_example_gradients(model(TINY), held_out[:, :-1], held_out[:, 1:], sequence_loss)
+    assert measured.estimates[0] == noise_estimates(grads)
+    assert measured.halves[0] == (noise_estimates(grads[:2]), noise_estimates(grads[2:]))
+    fresh_loss = model(TINY).loss(held_out[:, :-1], held_out[:, 1:]).item()
+    assert measured.held_out_losses == (fresh_loss,)
+    assert fresh_loss == pytest.approx(math.log(TINY.vocab), rel=0.05)  # knows nothing yet
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"at": []}, "at"),
+        ({"at": [5]}, "at"),
+        ({"at": [-1]}, "at"),
+        ({"at": [0], "examples": 3}, "examples"),
+        ({"at": [0], "config": "tiny"}, "config"),
+    ],
+)
+def test_noise_scale_run_arguments(kwargs, name):
+    args = {"peak": 0.1, "steps": 4, "config": TINY, "batch": 2} | kwargs
+    with pytest.raises(ValueError, match=name):
+        noise_scale_run(**args)
+
+
+def test_a_diverging_run_cannot_be_measured_to_its_end():
+    with pytest.raises(ValueError, match="diverged"):
+        noise_scale_run(50.0, at=[40], examples=4, steps=40, config=TINY, batch=4)
+
+
+# --- Adam's step and the batch size ----------------------------------------------------------
+
+
+def test_adams_first_step_is_the_learning_rate_whatever_the_batch():
+    sizes = adam_step_sizes((1, 16, 256), steps=40, weights=2000)
+    assert [first for first, _ in sizes.values()] == pytest.approx([1.0] * 3, abs=1e-6)
+    late = [useful for _, useful in sizes.values()]
+    assert late == sorted(late) and late[0] < 0.5 * late[-1]
+
+
+def test_without_noise_every_adam_step_is_the_learning_rate():
+    # A constant gradient g: m_hat = g and v_hat = g^2 at every step, so each step is lr.
+    sizes = adam_step_sizes((1, 4), steps=10, noise=0.0, weights=3)
+    assert sizes == {1: pytest.approx((1.0, 1.0)), 4: pytest.approx((1.0, 1.0))}
+
+
+def test_adam_step_sizes_arguments():
+    with pytest.raises(ValueError, match="batches"):
+        adam_step_sizes(())
+    with pytest.raises(ValueError, match="steps"):
+        adam_step_sizes((1,), steps=1)
+    with pytest.raises(ValueError, match="signal"):
+        adam_step_sizes((1,), signal=0)

@@ -335,3 +335,47 @@ def test_attention_term_names_the_bad_argument():
         args = {"layers": 1, "context": 1, "d_attn": 1, "tokens": 1} | kwargs
         with pytest.raises(ValueError, match=name):
             attention_training_flops(**args)
+
+
+# --- QK-layernorm (chapter 10) ---------------------------------------------------------------
+
+
+def test_qk_norm_adds_two_norms_per_block_and_keeps_the_other_weights():
+    plain = GPTConfig(vocab=16, context=8, d_model=12, layers=2, heads=3)
+    normed = GPTConfig(vocab=16, context=8, d_model=12, layers=2, heads=3, qk_norm=True)
+    # Per block: two norms over a head's 12 / 3 = 4 features, weight and bias: 2 * 2 * 4 = 16.
+    assert parameter_counts(normed)["layer norms"] == parameter_counts(plain)["layer norms"] + 32
+    with_norms, without = gpt(normed, seed=3), gpt(plain, seed=3)
+    assert sum(p.numel() for p in with_norms.parameters()) == sum(parameter_counts(normed).values())
+    kept = dict(without.named_parameters())
+    for name, p in with_norms.named_parameters():
+        if "q_norm" in name or "k_norm" in name:
+            assert torch.equal(p, torch.ones(4) if name.endswith("weight") else torch.zeros(4))
+        else:
+            assert torch.equal(p, kept[name])  # the same draws: only the norms are new
+
+
+def test_qk_norm_bounds_the_attention_scores():
+    # After a layer norm (weight 1, bias 0) each head's query and key have length sqrt(4) = 2,
+    # so |q . k| / sqrt(4) <= 2, however large the projections' weights grow.
+    config = GPTConfig(vocab=16, context=8, d_model=12, layers=1, heads=3, qk_norm=True)
+    model = gpt(config, seed=0, dtype=torch.float64)
+    attention = model.blocks[0].attention
+    with torch.no_grad():
+        attention.qkv.weight.mul_(1e4)
+    seen = {}
+    for name in ("q_norm", "k_norm"):
+        getattr(attention, name).register_forward_hook(
+            lambda _module, _args, out, name=name: seen.update({name: out})
+        )
+    tokens = torch.randint(16, (2, 8), generator=torch.Generator().manual_seed(1))
+    assert torch.isfinite(model(tokens)).all()
+    q, k = seen["q_norm"], seen["k_norm"]  # what the forward pass really used
+    assert q.shape == k.shape == (2, 3, 8, 4)
+    scores = q @ k.transpose(-2, -1) / 2
+    assert 1.0 < float(scores.detach().abs().max()) <= 2 + 1e-9
+
+
+def test_qk_norm_must_be_a_boolean():
+    with pytest.raises(ValueError, match="qk_norm"):
+        GPTConfig(qk_norm=1)

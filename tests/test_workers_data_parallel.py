@@ -120,6 +120,43 @@ def test_one_process_simulation_matches_and_batch_norm_breaks_it():
     assert dp.largest_relative_difference(split, full_norm) > 0.1
 
 
+def test_communication_hidden_under_backward_hand_worked():
+    # Buckets run 10-30, 20-50 and 60-70 ms; backward computed its last gradient at 55 ms.
+    # Their union before 55 ms is 10-50: 40 ms. The third ran entirely after: 0 ms.
+    buckets = [(0, [6, 7], 10.0, 30.0), (1, [4, 5], 20.0, 50.0), (2, [2, 3], 60.0, 70.0)]
+    assert dp.communication_hidden_ms(buckets, 55.0) == pytest.approx(40.0)
+    assert dp.communication_hidden_ms(buckets, 25.0) == pytest.approx(15.0)  # 10-25
+    assert dp.communication_hidden_ms(buckets, 100.0) == pytest.approx(50.0)  # 10-50, 60-70
+    assert dp.communication_hidden_ms(buckets[:1], 5.0) == 0.0
+    assert dp.communication_hidden_ms([], 5.0) == 0.0
+
+
+def test_communication_hidden_names_bad_arguments():
+    with pytest.raises(ValueError, match="compute_end_ms"):
+        dp.communication_hidden_ms([], -1.0)
+    with pytest.raises(ValueError, match="buckets must complete after their launch"):
+        dp.communication_hidden_ms([(0, [0], 5.0, 4.0)], 10.0)
+
+
+def test_storage_bytes_count_a_shared_buffer_once():
+    flat = torch.zeros(10)
+    views = [flat[:4], flat[4:]]
+    alone = torch.zeros(3, dtype=torch.float64)
+    assert dp._storage_bytes([*views, alone]) == 10 * 4 + 3 * 8
+
+
+def test_ddp_checks_refuse_bad_arguments_before_any_communication():
+    """No process group exists here: each check must fail on its argument first."""
+    with pytest.raises(ValueError, match="gradient_as_bucket_view"):
+        dp.check_memory(0, 1, gradient_as_bucket_view=1)
+    with pytest.raises(ValueError, match="steps"):
+        dp.check_memory(0, 1, steps=0)
+    with pytest.raises(ValueError, match="iterations"):
+        dp.check_buckets(0, 1, iterations=0)
+    with pytest.raises(ValueError, match="bucket_cap_mb"):
+        dp.check_buckets(0, 1, bucket_cap_mb=0)
+
+
 # --- the torchrun entry's report (in this process; notebook 03 runs the worker itself) -----
 
 

@@ -1,7 +1,8 @@
 """workers.pipeline, beyond what notebook 07 checks when it runs the worker on 4 real ranks
 (loss and gradients equal one process, each stage runs the simulated order, the measured
-bubble against the formula): the stages, the simulated compute, the timelines, the bad
-arguments, and one small run of the torchrun entry on 2 real ranks."""
+bubble against the formula, the peak bytes each stage saved for backward): the stages, the
+simulated compute, the saved-tensor meter, the timelines, the bad arguments, and one small
+run of the torchrun entry on 2 real ranks."""
 
 import contextlib
 import io
@@ -80,6 +81,50 @@ def test_batch_and_reference_are_deterministic():
         wp.batch(0)
 
 
+def test_saved_bytes_per_micro_batch_by_hand():
+    # 2 examples of width 32, float32: per block 2 x (32 + 128 + 128 + 32) x 4 = 2,560 bytes
+    assert wp.saved_bytes_per_micro_batch(0, 4) == 2 * 2_560 == 5_120
+    assert wp.saved_bytes_per_micro_batch(2, 4) == 5_120
+    assert wp.saved_bytes_per_micro_batch(3, 4) == 5_120 + 2 * 2 * 32 * 4  # + loss input, target
+    assert wp.saved_bytes_per_micro_batch(0, 1) == 5_632  # one stage is also the last
+    with pytest.raises(ValueError, match="stage must be between 0 and 3"):
+        wp.saved_bytes_per_micro_batch(4, 4)
+    with pytest.raises(ValueError, match="stages"):
+        wp.saved_bytes_per_micro_batch(0, 0)
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_meter_counts_a_stage_saved_tensors_and_their_release(stage):
+    model = wp.reference_model(2)
+    module = wp.stage_module(model, stage, 2, 0, 0)
+    x, y = wp.batch(1)
+    x.requires_grad_(stage > 0)  # a later stage's input comes from the stage before
+    meter = wp.SavedTensorMeter(exclude=module.parameters())
+    with meter:
+        out = module(x)
+        loss = nn.functional.mse_loss(out, y) if stage == 1 else out.sum()
+        held = meter.held
+        loss.backward()
+    assert held == meter.peak == wp.saved_bytes_per_micro_batch(stage, 2)
+    assert meter.held == 0  # backward released everything it saved
+    meter.reset()
+    assert meter.peak == 0
+    with torch.no_grad(), meter:
+        module(x)
+    assert meter.peak == 0  # nothing saved without a graph
+
+
+def test_meter_leaves_out_the_excluded_weights_and_counts_them_otherwise():
+    layer = nn.Linear(4, 3, bias=False)
+    x = torch.randn(5, 4, requires_grad=True)
+    with wp.SavedTensorMeter() as everything:
+        layer(x).sum().backward()
+    with wp.SavedTensorMeter(exclude=layer.parameters()) as activations:
+        layer(x).sum().backward()
+    assert activations.peak == 5 * 4 * 4  # the input, saved for the weight's gradient
+    assert everything.peak == 5 * 4 * 4 + 3 * 4 * 4  # and the weight, for the input's
+
+
 def test_timeline_from_rank_results():
     # two stages, one micro-batch, f = 1, b = 2, as the simulator plays it; then a
     # second step in which stage 0's backward was held up by something else
@@ -123,3 +168,6 @@ def test_torchrun_entry_gathers_the_stages_and_reports_on_rank_0():
     (first,), (last,) = results  # each rank returns its own result of the one configuration
     assert [len(first["steps"]), len(last["steps"])] == [1, 1]
     assert not first["losses"] and len(last["losses"]) == 2  # the last stage computes the loss
+    # GPipe holds both micro-batches on each stage: 2 x 5,120 bytes, 2 x 5,632 on the last
+    assert (first["peak_saved_bytes"], last["peak_saved_bytes"]) == ([10_240], [11_264])
+    assert first["left_saved_bytes"] == last["left_saved_bytes"] == [0]

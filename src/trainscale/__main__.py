@@ -159,19 +159,20 @@ def efficiency_lines() -> list[str]:
 def planner_lines() -> list[str]:
     """Chapter 13: the planner's best layouts for the 70B worked example."""
     model, cluster = planner.EXAMPLE_MODEL, planner.EXAMPLE_CLUSTER
-    layouts = planner.plan(model, cluster, planner.EXAMPLE_GLOBAL_BATCH)
+    batch = planner.EXAMPLE_GLOBAL_BATCH
+    layouts = planner.plan(model, cluster, batch)
     fitting = planner.verdict_counts(layouts)["fits"]
     lines = [
         "13 Planning and running a first large run",
         f"  {model.params / 1e9:g}B parameters on {cluster.nodes} nodes x"
-        f" {cluster.gpus_per_node} GPUs of {cluster.memory_bytes / 1e9:g} GB, global batch"
-        f" {planner.EXAMPLE_GLOBAL_BATCH} sequences: {len(layouts):,} layouts, {fitting} fit;"
-        " the fastest shapes:",
+        f" {cluster.gpus_per_node} GPUs of {_gib(cluster.memory_bytes)}, global batch"
+        f" {batch:,} sequences ({batch * model.seq_len:,} tokens): {len(layouts):,} layouts,"
+        f" {fitting} fit; the fastest shapes:",
     ]
     for layout in planner.top_layouts(layouts, count=TOP_LAYOUTS):
         lines.append(
             f"    {layout.name}, {layout.settings}: step {layout.step_seconds:.2f} s,"
-            f" MFU {layout.mfu:.1%}, {layout.memory_bytes / 1e9:.1f} GB per GPU"
+            f" MFU {layout.mfu:.1%}, {_gib(layout.memory_bytes)} per GPU"
         )
     return lines
 

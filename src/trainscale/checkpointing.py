@@ -7,7 +7,8 @@ Four parts:
   recomputes one segment) and :func:`memory_timeline` (saved bytes over a
   whole step), from two measured sizes per block;
 - :func:`step_flops`, the matrix-product FLOPs of forward and backward with
-  and without checkpointing, counted by ``FlopCounterMode``;
+  and without checkpointing, counted by ``FlopCounterMode``, and
+  :func:`step_operator_calls`, the operators the same step calls;
 - :class:`TransformerLayer`, the book's transformer block as chapter 09 measures it, with
   :func:`saved_by_op` to list what autograd keeps for it, set beside
   Korthikanti et al.'s estimate :func:`korthikanti_bytes` (arXiv 2205.05198);
@@ -21,11 +22,13 @@ Four parts:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from trainscale import _checks, transformer
@@ -151,6 +154,33 @@ def best_segment(blocks: int, block_input: int, block_saved: int) -> int:
 # --- counted FLOPs ----------------------------------------------------------------------
 
 
+def _check_step_model(model: object, segment: int | None) -> nn.Module:
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be an nn.Module, got {type(model).__name__}")
+    if segment is not None and not isinstance(model, nn.Sequential):
+        raise ValueError(
+            f"model must be an nn.Sequential of blocks to checkpoint, got {type(model).__name__}"
+        )
+    return model
+
+
+def _count_step(
+    model: nn.Module,
+    x: torch.Tensor,
+    segment: int | None,
+    counter: Callable[[], TorchDispatchMode],
+) -> tuple[TorchDispatchMode, TorchDispatchMode]:
+    """Run one forward and one backward of ``model`` on ``x``, each under a fresh
+    ``counter()`` (a ``TorchDispatchMode``), and return the two counters."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    with counter() as forward:
+        out = model(x) if segment is None else run_checkpointed(model, x, segment)
+        loss = out.float().pow(2).mean()
+    with counter() as backward:
+        torch.autograd.grad(loss, params)
+    return forward, backward
+
+
 def step_flops(model: nn.Module, x: torch.Tensor, segment: int | None = None) -> dict[str, int]:
     """Matrix-product FLOPs of one forward and one backward pass of ``model`` on ``x``.
 
@@ -159,21 +189,42 @@ def step_flops(model: nn.Module, x: torch.Tensor, segment: int | None = None) ->
     :func:`trainscale.memory.run_checkpointed`, so the backward count includes
     the recomputed forward. Gradients are taken for the parameters only, with
     ``torch.autograd.grad``; the model's ``.grad`` fields are left alone.
-    Returns ``{"forward": ..., "backward": ...}``.
+    FLOPs are torch's ``FlopCounterMode``'s: matrix products only, 2 per
+    multiply-add. Returns ``{"forward": ..., "backward": ...}``.
     """
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"model must be an nn.Module, got {type(model).__name__}")
-    if segment is not None and not isinstance(model, nn.Sequential):
-        raise ValueError(
-            f"model must be an nn.Sequential of blocks to checkpoint, got {type(model).__name__}"
-        )
-    params = [p for p in model.parameters() if p.requires_grad]
-    with FlopCounterMode(display=False) as forward:
-        out = model(x) if segment is None else run_checkpointed(model, x, segment)
-        loss = out.float().pow(2).mean()
-    with FlopCounterMode(display=False) as backward:
-        torch.autograd.grad(loss, params)
+    model = _check_step_model(model, segment)
+    forward, backward = _count_step(model, x, segment, lambda: FlopCounterMode(display=False))
     return {"forward": forward.get_total_flops(), "backward": backward.get_total_flops()}
+
+
+class _OperatorCounter(TorchDispatchMode):
+    """Counts every ATen operator call that reaches the dispatcher's Python mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def step_operator_calls(
+    model: nn.Module, x: torch.Tensor, segment: int | None = None
+) -> dict[str, int]:
+    """The ATen operator calls of one forward and one backward pass of ``model`` on ``x``.
+
+    The same step as :func:`step_flops` (mean-square loss, parameter gradients,
+    ``segment`` for checkpointing), counted in operator calls rather than FLOPs:
+    every matrix product, element-wise operation, reduction, view and copy that
+    reaches the dispatcher counts 1, whatever its size. Each call has a fixed
+    cost on the host (Python, the dispatcher, autograd's bookkeeping; on a GPU,
+    a kernel launch), so for small tensors the time of a step depends on this count
+    more than on the FLOPs. Returns ``{"forward": ..., "backward": ...}``.
+    """
+    model = _check_step_model(model, segment)
+    forward, backward = _count_step(model, x, segment, _OperatorCounter)
+    return {"forward": forward.calls, "backward": backward.calls}
 
 
 # --- one transformer layer --------------------------------------------------------------
@@ -362,7 +413,9 @@ def selective_recompute_flops(seq_len: int, micro_batch: int, hidden: int, tp: i
     once backward has every tensor it needs, and chapter 09 measures exactly
     ``2 b s^2 h``; FlashAttention's backward also recomputes only the scores.
     Megatron-LM's checkpointed core attention reruns the whole function, the product
-    with ``V`` included: ``4 b s^2 h``, an upper bound.
+    with ``V`` included: ``4 b s^2 h``, an upper bound, and the count the text of
+    Korthikanti et al.'s appendix A gives (arXiv 2205.05198); their hardware-FLOPs
+    formula, equation 8, adds three times that, ``12 b s^2 h`` per layer.
     """
     s = _checks.count("seq_len", seq_len, minimum=1)
     b = _checks.count("micro_batch", micro_batch, minimum=1)

@@ -9,6 +9,13 @@ Each tensor is cut into one chunk per rank with ``torch.tensor_split``, which
 handles lengths not divisible by the number of ranks (the first chunks get one
 element more) and lengths shorter than it (the last chunks are empty).
 Inputs are never modified.
+
+The module is also the one home of the chapter's cost formulas: the bytes a ring
+sends (:func:`ring_factor`), the time it takes in the latency-bandwidth model
+(:func:`ring_all_reduce_seconds`, fitted to measurements by :func:`fit_alpha_beta`),
+and when communication hides under compute: data parallelism's gradients under
+backward (:func:`dp_hiding_threshold_tokens`) and tensor parallelism's all-reduces
+against its matrix products (:func:`tp_comm_to_compute`).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from trainscale import _checks
+from trainscale.compute import FLOPS_PER_PARAM_PER_TOKEN, training_flops
 
 
 def _check_ranks(tensors: Sequence[torch.Tensor], name: str = "tensors") -> int:
@@ -240,3 +248,228 @@ def bus_bandwidth(algorithm_bandwidth: float, ranks: int) -> float:
     """
     algbw = _checks.positive("algorithm_bandwidth", algorithm_bandwidth)
     return algbw * ring_factor(ranks)
+
+
+# ---------------------------------------------------------------------------
+# Time: the latency-bandwidth (alpha-beta) model of the ring all-reduce.
+# ---------------------------------------------------------------------------
+
+
+def ring_all_reduce_seconds(
+    size_bytes: float, ranks: int, latency: float, bandwidth: float
+) -> float:
+    """Seconds a ring all-reduce of ``size_bytes`` takes in the alpha-beta model.
+
+    ``T(S) = 2(N-1) alpha + 2(N-1)/N * S / B``: each of the ``2(N-1)`` steps pays a
+    fixed ``latency`` ``alpha`` (seconds) to start, and each rank sends
+    :func:`ring_factor` of the tensor at ``bandwidth`` ``B`` (bytes per second)
+    (Thakur, Rabenseifner and Gropp 2005). One rank alone takes no time.
+    """
+    size = _checks.non_negative("size_bytes", size_bytes)
+    n = _checks.count("ranks", ranks, minimum=1)
+    alpha = _checks.non_negative("latency", latency)
+    beta = _checks.positive("bandwidth", bandwidth)
+    return 2 * (n - 1) * alpha + ring_factor(n) * size / beta
+
+
+def latency_bandwidth_crossover(ranks: int, latency: float, bandwidth: float) -> float:
+    """Message size in bytes at which the ring's two terms are equal: ``S* = N alpha B``.
+
+    Setting ``2(N-1) alpha = 2(N-1)/N * S / B`` and dividing by ``2(N-1)`` gives
+    ``alpha = S / (N B)``. Below ``S*`` latency dominates, above it bandwidth; at
+    ``S*`` the all-reduce takes twice its latency term, so busbw is half of ``B``.
+    ``ranks`` must be at least 2 (one rank has neither term).
+    """
+    n = _checks.count("ranks", ranks, minimum=2)
+    alpha = _checks.non_negative("latency", latency)
+    beta = _checks.positive("bandwidth", bandwidth)
+    return n * alpha * beta
+
+
+@dataclass(frozen=True)
+class AlphaBeta:
+    """A fitted alpha-beta model of a ring all-reduce over ``ranks`` ranks.
+
+    ``latency`` is ``alpha`` in seconds per ring step, ``bandwidth`` ``B`` in bytes
+    per second each rank sends (busbw at large sizes).
+    """
+
+    latency: float
+    bandwidth: float
+    ranks: int
+
+    def seconds(self, size_bytes: float) -> float:
+        """Predicted seconds of one all-reduce of ``size_bytes`` bytes (the model's ``T(S)``)."""
+        return ring_all_reduce_seconds(size_bytes, self.ranks, self.latency, self.bandwidth)
+
+    @property
+    def crossover_bytes(self) -> float:
+        """:func:`latency_bandwidth_crossover` of the fit, in bytes."""
+        return latency_bandwidth_crossover(self.ranks, self.latency, self.bandwidth)
+
+
+def _weighted_line(
+    x: Sequence[float], y: Sequence[float], w: Sequence[float]
+) -> tuple[float, float]:
+    """Weighted least-squares line ``y = a + c x``: ``(a, c)`` from the normal equations."""
+    sw = sum(w)
+    sx = sum(wi * xi for wi, xi in zip(w, x, strict=True))
+    sy = sum(wi * yi for wi, yi in zip(w, y, strict=True))
+    sxx = sum(wi * xi * xi for wi, xi in zip(w, x, strict=True))
+    sxy = sum(wi * xi * yi for wi, xi, yi in zip(w, x, y, strict=True))
+    det = sw * sxx - sx * sx
+    return (sy * sxx - sx * sxy) / det, (sw * sxy - sx * sy) / det
+
+
+def fit_alpha_beta(sizes: Sequence[float], seconds: Sequence[float], ranks: int) -> AlphaBeta:
+    """Fit :func:`ring_all_reduce_seconds` to measured all-reduce times by least squares.
+
+    ``sizes`` are message sizes in bytes (at least two distinct ones), ``seconds``
+    the measured time of one all-reduce of each. The model is a straight line in
+    ``S``, ``T = a + c S`` with ``a = 2(N-1) alpha`` and ``c = 2(N-1)/(N B)``.
+    Times span orders of magnitude, so the fit minimises the *relative* error,
+    ``sum(((T_i - T(S_i)) / T_i)^2)`` (weights ``1 / T_i^2``); a plain fit would
+    ignore every small message. Neither term may be negative: if the best line
+    has ``a < 0``, the best one through the origin (``alpha = 0``) is returned.
+    Raises ``ValueError`` when the times do not grow with the size (no bandwidth).
+    """
+    n = _checks.count("ranks", ranks, minimum=2)
+    if len(sizes) != len(seconds) or len(sizes) < 2:
+        raise ValueError(
+            f"sizes and seconds must hold one value per measurement (at least 2), "
+            f"got {len(sizes)} and {len(seconds)}"
+        )
+    x = [_checks.non_negative("sizes", s) for s in sizes]
+    y = [_checks.positive("seconds", t) for t in seconds]
+    if len(set(x)) < 2:
+        raise ValueError(f"sizes must hold at least 2 distinct values, got {sorted(set(x))}")
+    w = [1 / (t * t) for t in y]
+    intercept, slope = _weighted_line(x, y, w)
+    if intercept < 0:  # the constrained optimum lies on alpha = 0: a line through the origin
+        intercept = 0.0
+        slope = sum(wi * xi * yi for wi, xi, yi in zip(w, x, y, strict=True)) / sum(
+            wi * xi * xi for wi, xi in zip(w, x, strict=True)
+        )
+    if slope <= 0:
+        raise ValueError("seconds must grow with sizes: the fit found no bandwidth term")
+    return AlphaBeta(latency=intercept / (2 * (n - 1)), bandwidth=ring_factor(n) / slope, ranks=n)
+
+
+# ---------------------------------------------------------------------------
+# When communication hides under compute.
+# ---------------------------------------------------------------------------
+
+BACKWARD_FLOPS_PER_PARAM_PER_TOKEN = FLOPS_PER_PARAM_PER_TOKEN["backward"]
+"""Backward's FLOPs per parameter per token (4), under which gradients can travel."""
+
+
+def dp_hiding_threshold_tokens(
+    ranks: int,
+    bytes_per_element: float,
+    peak_flops: float,
+    mfu: float,
+    link_bandwidth: float,
+) -> float:
+    """Tokens per GPU per step from which the gradient all-reduce fits under backward.
+
+    Per parameter, the ring sends ``2(N-1)/N * b`` bytes (``b`` =
+    ``bytes_per_element`` of a gradient) at ``link_bandwidth`` ``B`` bytes/s, and
+    backward does ``4`` FLOPs per token at ``peak_flops * mfu`` FLOP/s. The
+    all-reduce is no longer than backward when, for ``T`` tokens per GPU,
+
+        ``2(N-1)/N * b / B <= 4 T / (peak * mfu)``, i.e.
+        ``T >= (N-1)/N * b * peak * mfu / (2 B)``.
+
+    The parameter count cancels. The same threshold holds for FSDP (ZeRO-3) when
+    weights and gradients travel in the same dtype: forward all-gathers
+    ``(N-1)/N * b`` per parameter under 2 FLOPs per token, backward all-gathers and
+    reduce-scatters twice that under 4. It assumes perfect overlap: in practice
+    the last bucket always waits, so leave a margin. One rank needs no tokens.
+    """
+    n = _checks.count("ranks", ranks, minimum=1)
+    size = _checks.positive("bytes_per_element", bytes_per_element)
+    rate = _checks.positive("peak_flops", peak_flops) * _checks.positive("mfu", mfu, maximum=1.0)
+    link = _checks.positive("link_bandwidth", link_bandwidth)
+    return ring_factor(n) * size * rate / (BACKWARD_FLOPS_PER_PARAM_PER_TOKEN * link)
+
+
+@dataclass(frozen=True)
+class DataParallelStep:
+    """Backward and gradient all-reduce of one data-parallel step, in seconds per GPU."""
+
+    backward_seconds: float
+    all_reduce_seconds: float
+
+    @property
+    def exposed_seconds(self) -> float:
+        """All-reduce time left over after backward: what overlap cannot hide."""
+        return max(0.0, self.all_reduce_seconds - self.backward_seconds)
+
+
+def data_parallel_step(
+    params: float,
+    tokens_per_gpu: float,
+    ranks: int,
+    bytes_per_element: float,
+    peak_flops: float,
+    mfu: float,
+    link_bandwidth: float,
+) -> DataParallelStep:
+    """Backward and all-reduce seconds of a step, as :func:`dp_hiding_threshold_tokens` compares.
+
+    Backward: ``4 * params * tokens_per_gpu / (peak_flops * mfu)``. All-reduce:
+    :func:`ring_bytes_per_rank` of ``params * bytes_per_element`` at
+    ``link_bandwidth`` bytes/s.
+    """
+    n_params = _checks.count("params", params, minimum=1)
+    tokens = _checks.positive("tokens_per_gpu", tokens_per_gpu)
+    n = _checks.count("ranks", ranks, minimum=1)
+    size = _checks.positive("bytes_per_element", bytes_per_element)
+    rate = _checks.positive("peak_flops", peak_flops) * _checks.positive("mfu", mfu, maximum=1.0)
+    link = _checks.positive("link_bandwidth", link_bandwidth)
+    backward = BACKWARD_FLOPS_PER_PARAM_PER_TOKEN * n_params * tokens / rate
+    return DataParallelStep(backward, ring_factor(n) * n_params * size / link)
+
+
+TP_ALL_REDUCES_PER_LAYER = 4
+"""Megatron-style tensor parallelism: one all-reduce after attention and one after
+the MLP in forward, and one for each of their input gradients in backward, each of
+the ``tokens x hidden`` activations (Shoeybi et al. 2019)."""
+
+TP_LAYER_WEIGHTS_PER_HIDDEN_SQUARED = 12
+"""Weights of one transformer layer in units of ``hidden**2``: ``4 h^2`` in
+attention, ``8 h^2`` in an MLP of width ``4h``."""
+
+
+def tp_comm_to_compute(
+    shards: int,
+    hidden: int,
+    peak_flops: float,
+    mfu: float,
+    link_bandwidth: float,
+    bytes_per_value: float = 2,
+) -> float:
+    """Tensor-parallel communication time over compute time, per layer, forward and backward.
+
+    Per token and layer, each of ``t`` = ``shards`` GPUs sends
+    ``4 * 2(t-1)/t * h * b`` bytes (four ring all-reduces of ``h`` values of ``b``
+    bytes) and computes ``6 * 12 h^2 / t = 72 h^2 / t`` FLOPs (its share of
+    forward and backward through ``12 h^2`` weights). The ratio is
+
+        ``(8 (t-1)/t * h b / B) / (72 h^2 / (t * peak * mfu))
+        = (t-1)/h * (b/9) * peak * mfu / B``,
+
+    independent of the batch and the sequence length: it falls only with a wider
+    layer (``hidden``) or a faster link (``link_bandwidth``, bytes/s), and grows
+    with the GPU's speed. Attention's score products (``s/6h`` more compute) are
+    left out, so the true ratio is a little lower. Sequence parallelism replaces
+    each all-reduce by a reduce-scatter and an all-gather, the same bytes.
+    """
+    t = _checks.count("shards", shards, minimum=1)
+    h = _checks.count("hidden", hidden, minimum=1)
+    rate = _checks.positive("peak_flops", peak_flops) * _checks.positive("mfu", mfu, maximum=1.0)
+    link = _checks.positive("link_bandwidth", link_bandwidth)
+    size = _checks.positive("bytes_per_value", bytes_per_value)
+    comm_seconds = TP_ALL_REDUCES_PER_LAYER * ring_factor(t) * h * size / link
+    layer_flops = training_flops(TP_LAYER_WEIGHTS_PER_HIDDEN_SQUARED * h * h, 1)
+    return comm_seconds / (layer_flops / t / rate)

@@ -1,7 +1,9 @@
-"""Where the memory goes (chapters 02, 05 and 09).
+"""Where the memory goes (chapters 02, 05, 08 and 09).
 
 Model state, the part that scales with the parameter count alone, is counted
-with :data:`BYTES_PER_PARAM` and :func:`model_state_bytes`. Activations, the
+with :data:`BYTES_PER_PARAM` and :func:`model_state_bytes`; :class:`StateDtypes`
+sets the dtype of each part, so other recipes (fp32 gradients, chapter 08) are
+counted by the same functions. Activations, the
 part that scales with the batch, are measured rather than estimated:
 :func:`saved_activation_bytes` records every tensor autograd keeps for the
 backward pass.
@@ -12,6 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -19,22 +22,104 @@ from torch.utils.checkpoint import checkpoint
 
 from trainscale import _checks
 
-BYTES_PER_PARAM: dict[str, int] = {
-    "weights": 2,  # bf16 copy used by forward and backward
-    "gradients": 2,  # bf16, one per weight
-    "master weights": 4,  # fp32 copy the optimiser updates
-    "Adam momentum": 4,  # fp32 first moment (running mean of gradients)
-    "Adam variance": 4,  # fp32 second moment (running mean of squared gradients)
-}
+GRADIENT_COPY = "gradient copy"
+"""The optimiser's own copy of the gradients, kept only by some recipes
+(:data:`FP16_GRADIENTS_WITH_FP32_COPY`): optimiser state, sharded from ZeRO stage 1
+like :data:`OPTIMIZER_STATE`."""
+
+
+@dataclass(frozen=True)
+class StateDtypes:
+    """The dtype each part of the model state is kept in (``None``: the part is not kept).
+
+    ``weights``: the copy forward and backward read; ``gradients``: the gradients
+    backward accumulates into and data parallelism reduces; ``master_weights``: the
+    copy the optimiser updates (``None`` when it updates ``weights`` themselves);
+    ``optimizer_moments``: each of Adam's two moments; ``gradient_copy``: a second
+    copy of the gradients, in the master weights' dtype, that the optimiser steps
+    with (``None`` when it reads ``gradients`` directly). The defaults are the
+    book's 16 bytes per parameter.
+    """
+
+    weights: torch.dtype = torch.bfloat16
+    gradients: torch.dtype = torch.bfloat16
+    master_weights: torch.dtype | None = torch.float32
+    optimizer_moments: torch.dtype = torch.float32
+    gradient_copy: torch.dtype | None = None
+
+
+def _dtype_bytes(name: str, dtype: object, optional: bool) -> int:
+    """Bytes per element of a floating-point ``dtype`` (0 for ``None`` where allowed)."""
+    if dtype is None and optional:
+        return 0
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        allowed = "a floating-point torch.dtype" + (" or None" if optional else "")
+        raise ValueError(f"{name} must be {allowed}, got {dtype!r}")
+    return torch.finfo(dtype).bits // 8
+
+
+def state_bytes_per_param(dtypes: StateDtypes | None = None) -> dict[str, int]:
+    """Bytes per parameter of each part of the model state kept in ``dtypes``.
+
+    Keys, in order: ``"weights"``, ``"gradients"``, ``"gradient copy"`` (only if
+    kept), ``"master weights"`` (only if kept), ``"Adam momentum"`` and ``"Adam
+    variance"``. The sizes come from ``torch.finfo(dtype).bits``. With the defaults
+    (:class:`StateDtypes`): 2 + 2 + 4 + 4 + 4 = 16.
+    """
+    kept = StateDtypes() if dtypes is None else dtypes
+    if not isinstance(kept, StateDtypes):
+        raise ValueError(f"dtypes must be a StateDtypes, got {kept!r}")
+    moment = _dtype_bytes("optimizer_moments", kept.optimizer_moments, optional=False)
+    sizes = {
+        "weights": _dtype_bytes("weights", kept.weights, optional=False),
+        "gradients": _dtype_bytes("gradients", kept.gradients, optional=False),
+        GRADIENT_COPY: _dtype_bytes("gradient_copy", kept.gradient_copy, optional=True),
+        "master weights": _dtype_bytes("master_weights", kept.master_weights, optional=True),
+        "Adam momentum": moment,
+        "Adam variance": moment,
+    }
+    return {part: size for part, size in sizes.items() if size}
+
+
+BYTES_PER_PARAM: dict[str, int] = state_bytes_per_param()
 """Bytes per parameter of each part of the model state, for bf16 mixed-precision
-training with Adam: 16 in all."""
+training with Adam (the defaults of :class:`StateDtypes`): bf16 weights and gradients
+(2 + 2), fp32 master weights (4), fp32 Adam momentum and variance (4 + 4): 16 in all."""
+
+MIXED_16BIT_GRADIENTS = StateDtypes()
+"""16 bytes per parameter: 16-bit weights and gradients, fp32 master weights and Adam
+moments. The count of the ZeRO paper (2 + 2 + 12, its ``K = 12``)."""
+
+FP32_MAIN_GRADIENTS = StateDtypes(gradients=torch.float32)
+"""18 bytes per parameter: bf16 weights, gradients accumulated and reduced in fp32 (4),
+fp32 master weights and moments. Megatron-Core with ``--bf16``, which turns on
+``--accumulate-allreduce-grads-in-fp32`` (the "float16 param, fp32 grads" row of its
+distributed optimizer's table)."""
+
+FP16_GRADIENTS_WITH_FP32_COPY = StateDtypes(
+    weights=torch.float16, gradients=torch.float16, gradient_copy=torch.float32
+)
+"""20 bytes per parameter: fp16 weights and gradients (2 + 2), and the optimiser's fp32
+copy of the gradients (4) next to the fp32 master weights and moments. Megatron-Core with
+``--fp16`` (the "float16 param, float16 grads" row of the same table)."""
+
+FP32_WEIGHTS_AND_GRADIENTS = StateDtypes(
+    weights=torch.float32, gradients=torch.float32, master_weights=None
+)
+"""16 bytes per parameter in another split: fp32 weights and gradients (4 + 4) and fp32
+moments, no separate master copy. What FSDP2 with ``MixedPrecisionPolicy(param_dtype=
+bfloat16, reduce_dtype=float32)`` (torchtitan's default) keeps between steps: the fp32
+sharded parameters are the master weights; the bf16 copies exist only for the layers
+being computed. Also plain fp32 training."""
 
 OPTIMIZER_STATE = ("master weights", "Adam momentum", "Adam variance")
-"""The parts ZeRO stage 1 shards (12 bytes per parameter)."""
+"""The parts ZeRO stage 1 shards (12 bytes per parameter with the defaults). A recipe
+that keeps no master copy has 0 bytes of the first."""
 
 SHARDED_FROM_STAGE: dict[str, int] = {
     "weights": 3,
     "gradients": 2,
+    GRADIENT_COPY: 1,
     **{part: 1 for part in OPTIMIZER_STATE},
 }
 """The first ZeRO stage that shards each part across the GPUs."""
@@ -48,14 +133,18 @@ activations); the rest is left for what it does not count (CUDA context, NCCL bu
 allocator fragmentation). The planner (chapter 13) uses it."""
 
 
-def model_state_parts(params: float, gpus: int = 1, zero_stage: int = 0) -> dict[str, int]:
-    """Bytes one GPU holds of each part of the model state.
+def model_state_parts(
+    params: float, gpus: int = 1, zero_stage: int = 0, dtypes: StateDtypes | None = None
+) -> dict[str, int]:
+    """Bytes one GPU holds of each part of the model state (kept in ``dtypes``).
 
     With ``zero_stage`` 0 (plain data parallelism) every GPU holds everything.
     Stage 1 shards the optimiser state over ``gpus``, stage 2 the gradients as
     well, stage 3 (FSDP) the weights too. A sharded part is split into ``gpus``
     shards of ``ceil(params / gpus)`` parameters, the largest shard being what a
-    GPU must fit (FSDP pads to equal shards the same way).
+    GPU must fit (FSDP pads to equal shards the same way). ``dtypes`` (default: the
+    book's 16 bytes, :data:`BYTES_PER_PARAM`) sets each part's size per parameter
+    (:func:`state_bytes_per_param`).
     """
     n = _checks.count("params", params)
     n_gpus = _checks.count("gpus", gpus, minimum=1)
@@ -63,37 +152,45 @@ def model_state_parts(params: float, gpus: int = 1, zero_stage: int = 0) -> dict
     shard = math.ceil(n / n_gpus)
     return {
         part: size * (shard if stage >= SHARDED_FROM_STAGE[part] else n)
-        for part, size in BYTES_PER_PARAM.items()
+        for part, size in state_bytes_per_param(dtypes).items()
     }
 
 
 STATE_GROUPS = ("weights", "gradients", "optimiser state")
 """How the book's figures, tables and planner group the model state: the
-optimiser state is :data:`OPTIMIZER_STATE` (fp32 master weights and Adam's moments)."""
+optimiser state is :data:`OPTIMIZER_STATE` (fp32 master weights and Adam's moments)
+and :data:`GRADIENT_COPY` where a recipe keeps one."""
 
 
-def model_state_groups(params: float, gpus: int = 1, zero_stage: int = 0) -> dict[str, int]:
+def model_state_groups(
+    params: float, gpus: int = 1, zero_stage: int = 0, dtypes: StateDtypes | None = None
+) -> dict[str, int]:
     """Bytes one GPU holds of weights, gradients and optimiser state (keys :data:`STATE_GROUPS`).
 
-    :func:`model_state_parts`, with the parts of :data:`OPTIMIZER_STATE` added up:
-    for one parameter on one GPU, 2, 2 and 12 bytes.
+    :func:`model_state_parts`, with :data:`GRADIENT_COPY` and the parts of
+    :data:`OPTIMIZER_STATE` added up:
+    for one parameter on one GPU with the default ``dtypes``, 2, 2 and 12 bytes.
     """
-    parts = model_state_parts(params, gpus, zero_stage)
+    parts = model_state_parts(params, gpus, zero_stage, dtypes)
     return {
         "weights": parts["weights"],
         "gradients": parts["gradients"],
-        "optimiser state": sum(parts[part] for part in OPTIMIZER_STATE),
+        "optimiser state": sum(parts.get(part, 0) for part in (GRADIENT_COPY, *OPTIMIZER_STATE)),
     }
 
 
-def model_state_bytes(params: float, gpus: int = 1, zero_stage: int = 0) -> int:
+def model_state_bytes(
+    params: float, gpus: int = 1, zero_stage: int = 0, dtypes: StateDtypes | None = None
+) -> int:
     """Bytes of model state on one GPU (see :func:`model_state_parts`)."""
-    return sum(model_state_parts(params, gpus, zero_stage).values())
+    return sum(model_state_parts(params, gpus, zero_stage, dtypes).values())
 
 
-def model_state_gib(params: int | float, gpus: int = 1, zero_stage: int = 0) -> float:
+def model_state_gib(
+    params: int | float, gpus: int = 1, zero_stage: int = 0, dtypes: StateDtypes | None = None
+) -> float:
     """Model state on one GPU in GiB (2**30 bytes)."""
-    return model_state_bytes(params, gpus, zero_stage) / GIB
+    return model_state_bytes(params, gpus, zero_stage, dtypes) / GIB
 
 
 def _uniform(shape: tuple[int, ...], bound: float) -> torch.Tensor:

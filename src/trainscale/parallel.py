@@ -10,7 +10,7 @@ with ``torch.autograd.grad``: the model's ``.grad`` fields are left alone.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -95,6 +95,112 @@ def accumulated_gradient(
     full-batch gradient while only one micro-batch's activations are alive at a time.
     """
     return _sliced_gradient(model, loss_fn, x, y, micro_batches, "micro_batches")
+
+
+IGNORE_INDEX = -100
+"""The label of a padding position: ``cross_entropy`` leaves it out (PyTorch's default)."""
+
+TOKEN_NORMALISATIONS = ("micro-batch mean", "global token count")
+"""How :func:`accumulated_token_gradient` scales each micro-batch's token loss."""
+
+TokenBatch = tuple[Tensor, Tensor]
+"""One micro-batch of a token loss: inputs ``(positions, features)`` and labels
+``(positions,)``, a class index per position or :data:`IGNORE_INDEX` at padding."""
+
+
+def padded_micro_batches(
+    tokens: Sequence[int],
+    positions: int,
+    features: int,
+    classes: int,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float64,
+) -> list[TokenBatch]:
+    """Micro-batches of ``positions`` slots each, of which the first ``tokens[j]`` are real.
+
+    Micro-batch ``j`` has random inputs (``positions x features``, drawn in
+    ``dtype`` from ``seed``) and a random class out of ``classes`` at each of its
+    ``tokens[j]`` real positions; the rest is padding, labelled
+    :data:`IGNORE_INDEX`, as a batch of sequences of different lengths is.
+    """
+    n_positions = _checks.count("positions", positions, minimum=1)
+    n_features = _checks.count("features", features, minimum=1)
+    n_classes = _checks.count("classes", classes, minimum=2)
+    counts = [_checks.count("tokens", t) for t in tokens]
+    if not counts or max(counts) > n_positions:
+        raise ValueError(
+            f"tokens must be a non-empty list of counts between 0 and positions = {n_positions},"
+            f" got {list(tokens)}"
+        )
+    g = torch.Generator().manual_seed(_checks.count("seed", seed))
+    batches = []
+    for count in counts:
+        inputs = torch.randn(n_positions, n_features, generator=g, dtype=dtype)
+        labels = torch.randint(n_classes, (n_positions,), generator=g)
+        labels[count:] = IGNORE_INDEX
+        batches.append((inputs, labels))
+    return batches
+
+
+def token_count(labels: Tensor) -> int:
+    """The number of real tokens among ``labels``: the positions not labelled padding."""
+    return int((labels != IGNORE_INDEX).sum())
+
+
+def _token_batches(micro_batches: Sequence[TokenBatch]) -> list[TokenBatch]:
+    """``micro_batches`` as a list, refused when empty or without a single real token."""
+    batches = list(micro_batches)
+    if not batches or sum(token_count(labels) for _, labels in batches) == 0:
+        raise ValueError("micro_batches must hold at least one real (non-padding) token")
+    return batches
+
+
+def token_mean_gradient(model: nn.Module, micro_batches: Sequence[TokenBatch]) -> dict[str, Tensor]:
+    """The reference: one pass over every micro-batch at once, cross-entropy averaged
+    over all real tokens (``reduction="mean"``, padding ignored)."""
+    batches = _token_batches(micro_batches)
+    inputs = torch.cat([x for x, _ in batches])
+    labels = torch.cat([y for _, y in batches])
+
+    def loss(output: Tensor, target: Tensor) -> Tensor:
+        return nn.functional.cross_entropy(output, target, ignore_index=IGNORE_INDEX)
+
+    return _gradient(model, loss, inputs, labels)
+
+
+def accumulated_token_gradient(
+    model: nn.Module, micro_batches: Sequence[TokenBatch], normalise: str
+) -> dict[str, Tensor]:
+    """Gradient accumulation of a token loss (cross-entropy), one backward per micro-batch.
+
+    ``normalise="micro-batch mean"`` divides each micro-batch's mean over its own
+    ``n_j`` tokens by the number of micro-batches ``k``, as "divide the loss by
+    the accumulation steps" does: a token of micro-batch ``j`` weighs
+    ``1 / (k n_j)``, which is the full batch's ``1 / sum(n)`` only when every
+    ``n_j`` is the same. ``normalise="global token count"`` divides each
+    micro-batch's *summed* loss by the number of real tokens in all of them:
+    every token weighs ``1 / sum(n)``, for any counts.
+    """
+    _checks.choice("normalise", normalise, TOKEN_NORMALISATIONS)
+    batches = _token_batches(micro_batches)
+    counts = [token_count(labels) for _, labels in batches]
+    if normalise == "micro-batch mean" and min(counts) == 0:
+        raise ValueError(
+            f"micro_batches must each hold a real token to take its mean, got {counts}"
+        )
+    total: dict[str, Tensor] = {}
+    for (inputs, labels), count in zip(batches, counts, strict=True):
+        divisor = len(batches) * count if normalise == "micro-batch mean" else sum(counts)
+
+        def loss(output: Tensor, target: Tensor, divisor: int = divisor) -> Tensor:
+            summed = nn.functional.cross_entropy(
+                output, target, ignore_index=IGNORE_INDEX, reduction="sum"
+            )
+            return summed / divisor
+
+        for key, grad in _gradient(model, loss, inputs, labels).items():
+            total[key] = total[key] + grad if key in total else grad
+    return total
 
 
 def checkpointed_gradient(

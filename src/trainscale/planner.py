@@ -64,7 +64,7 @@ from trainscale.checkpointing import (
 )
 from trainscale.collectives import ring_factor
 from trainscale.compute import FLOPS_PER_PARAM_PER_TOKEN, mfu
-from trainscale.memory import STATE_GROUPS, USABLE_MEMORY, model_state_groups
+from trainscale.memory import GIB, STATE_GROUPS, USABLE_MEMORY, model_state_groups
 from trainscale.pipeline import bubble
 from trainscale.published import GPUS, PublishedRun, published_runs
 from trainscale.sharding import ZERO_COLLECTIVES, zero_collective_bytes
@@ -551,8 +551,8 @@ def _evaluate(
     if memory > opt.usable_memory * cluster.memory_bytes:
         problems.append("out of memory")
         notes.append(
-            f"{memory / 1e9:.1f} GB per GPU, over {opt.usable_memory:.0%} of "
-            f"{cluster.memory_bytes / 1e9:.0f} GB"
+            f"{memory / GIB:.1f} GiB per GPU, over {opt.usable_memory:.0%} of "
+            f"{cluster.memory_bytes / GIB:.1f} GiB"
         )
     if tp_across:
         problems.append("TP across nodes")
@@ -788,19 +788,21 @@ def node_settings(gpu: str, inter_node_bandwidth: float) -> dict[str, float]:
 
 H100_NODE = node_settings("H100-80GB", inter_node_bandwidth=50e9)
 """Assumptions for an 8 x H100 SXM node: the GPU of :data:`trainscale.published.GPUS`
-(80 GB per GPU counted as 80e9 bytes, 989 TFLOP/s dense bf16, NVLink 4 at 450e9 B/s
-each way) and one 400 Gb/s InfiniBand or RoCE card per GPU (50e9 B/s)."""
+(the 81,559 MiB = 79.6 GiB an "80 GB" H100 reports, 989 TFLOP/s dense bf16, NVLink 4
+at 450e9 B/s each way) and one 400 Gb/s InfiniBand or RoCE card per GPU (50e9 B/s)."""
 
 EXAMPLE_CLUSTER = Cluster(nodes=8, **H100_NODE)
 """The worked example's cluster: 8 nodes x 8 H100 = 64 GPUs."""
 
-EXAMPLE_GLOBAL_BATCH = 64
-"""The worked example's global batch, in sequences of 4,096 tokens."""
+EXAMPLE_GLOBAL_BATCH = 1024
+"""The worked example's global batch, in sequences of 4,096 tokens: 4,194,304 tokens,
+the "global batch-size of 4M tokens" Llama 2 70B trained with (Touvron et al., arXiv
+2307.09288, Table 1; bib key touvron2023llama2)."""
 
 A100_NODE = node_settings("A100-80GB", inter_node_bandwidth=25e9)
 """Assumptions for a DGX A100 80 GB node as in Narayanan et al.'s Selene runs:
-312 TFLOP/s dense bf16/fp16, NVLink 3 at 300e9 B/s each way, eight 200 Gb/s HDR
-InfiniBand cards per node (25e9 B/s per GPU)."""
+81,920 MiB = 80 GiB reported per GPU, 312 TFLOP/s dense bf16/fp16, NVLink 3 at 300e9 B/s
+each way, eight 200 Gb/s HDR InfiniBand cards per node (25e9 B/s per GPU)."""
 
 
 def _published(run: object) -> PublishedRun:
@@ -845,9 +847,11 @@ def reported_mfu_6n(run: PublishedRun) -> float:
 
     ``6 N`` FLOPs per token times the tokens per second of its ``step_seconds``, over
     the peak of its GPUs (:func:`trainscale.compute.mfu`): comparable with
-    :attr:`Layout.mfu`. Papers often also count attention and recomputation (see
-    :func:`trainscale.compute.flops_per_token`), which inflates their share of peak;
-    ``step_seconds`` already undid their convention.
+    :attr:`Layout.mfu`. Papers count more per token
+    (:data:`trainscale.compute.FLOP_CONVENTIONS`): attention's products, which are
+    model work that ``6 N`` leaves out, and in Megatron-LM's equation 3 also the
+    forward pass full recomputation repeats, which is hardware work (HFU), not model
+    work. ``step_seconds`` already undid their convention.
     """
     run = _published(run)
     peak = GPUS[run.gpu].peak_flops

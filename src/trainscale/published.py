@@ -20,11 +20,19 @@ from importlib import resources
 from trainscale import _checks
 from trainscale.checkpointing import RECOMPUTE
 
+MIB = 2**20
+"""Bytes in one MiB, the unit ``nvidia-smi`` reports GPU memory in."""
+
 
 @dataclass(frozen=True)
 class Gpu:
     """One GPU model: dense bf16 peak in FLOP/s, memory in bytes, NVLink bandwidth in
-    bytes per second one way per GPU, and the GPUs an NVLink node joins."""
+    bytes per second one way per GPU, and the GPUs an NVLink node joins.
+
+    ``memory_bytes`` is the capacity the device reports (``nvidia-smi``'s total,
+    in MiB, times 2**20), not the marketing figure: an "80 GB" H100 reports
+    81,559 MiB = 79.6 GiB = 85.5e9 bytes, more than 80e9 bytes and less than 80 GiB.
+    """
 
     peak_flops: float
     memory_bytes: float
@@ -35,13 +43,43 @@ class Gpu:
 GPUS: dict[str, Gpu] = {
     # NVIDIA A100 Tensor Core GPU datasheet (SXM, 80 GB): 312 TFLOP/s dense BF16
     # (624 with sparsity); NVLink 3, 600 GB/s both directions together, so 300e9 B/s
-    # each way; 80 GB of HBM2e, counted as 80e9 bytes (the book's convention); 8 per
-    # DGX/HGX A100 node.
-    "A100-80GB": Gpu(peak_flops=312e12, memory_bytes=80e9, nvlink_bandwidth=300e9, gpus_per_node=8),
+    # each way; 8 per DGX/HGX A100 node. Memory: nvidia-smi reports 81,920 MiB
+    # (modal-labs/modal-client pull request 2797 lists the totals nvidia-smi prints
+    # on its fleet).
+    "A100-80GB": Gpu(
+        peak_flops=312e12, memory_bytes=81_920 * MIB, nvlink_bandwidth=300e9, gpus_per_node=8
+    ),
     # NVIDIA H100 Tensor Core GPU datasheet (SXM): 989 TFLOP/s dense BF16 (1,979 with
     # sparsity); NVLink 4, 900 GB/s both directions together, so 450e9 B/s each way;
-    # 80 GB of HBM3, counted as 80e9 bytes; 8 per DGX/HGX H100 node.
-    "H100-80GB": Gpu(peak_flops=989e12, memory_bytes=80e9, nvlink_bandwidth=450e9, gpus_per_node=8),
+    # 8 per DGX/HGX H100 node. Memory: nvidia-smi reports 81,559 MiB for "NVIDIA H100
+    # 80GB HBM3" (NVIDIA/nccl issue 1264, driver 550.54.15; the same total in
+    # modal-labs/modal-client pull request 2797).
+    "H100-80GB": Gpu(
+        peak_flops=989e12, memory_bytes=81_559 * MIB, nvlink_bandwidth=450e9, gpus_per_node=8
+    ),
+    # NVIDIA H200 Tensor Core GPU datasheet (SXM): 141 GB of HBM3e, the H100's
+    # 989 TFLOP/s dense BF16 and NVLink 4 (450e9 B/s each way); 8 per HGX H200 node.
+    # Memory: nvidia-smi reports 143,771 MiB for "NVIDIA H200" (several public nvidia-smi
+    # printouts with drivers 550-580 agree on this total).
+    "H200": Gpu(
+        peak_flops=989e12, memory_bytes=143_771 * MIB, nvlink_bandwidth=450e9, gpus_per_node=8
+    ),
+    # NVIDIA HGX B200 datasheet: 2.25 PFLOP/s dense BF16 per GPU (4.5 with sparsity);
+    # NVLink 5, 1.8 TB/s both directions together, so 900e9 B/s each way; 8 per HGX
+    # B200 node; marketed as 180 GB (some sources 192 GB) of HBM3e. Memory: nvidia-smi
+    # reports 183,359 MiB for "NVIDIA B200" (NVIDIA/TensorRT-LLM issue 10278, driver
+    # 580.95.05).
+    "B200": Gpu(
+        peak_flops=2250e12, memory_bytes=183_359 * MIB, nvlink_bandwidth=900e9, gpus_per_node=8
+    ),
+    # NVIDIA Ada Lovelace architecture whitepaper (GeForce RTX 4090): 165.2 TFLOP/s
+    # dense BF16 tensor with FP32 accumulate (330.4 with sparsity); no NVLink: a PCIe
+    # 4.0 x16 slot, about 32e9 B/s each way; counted one per machine. Memory: 24 GB of
+    # GDDR6X, nvidia-smi reports 24,564 MiB for "NVIDIA GeForce RTX 4090" (RLinf/RLinf
+    # issue 255, driver 550.163.01).
+    "RTX 4090": Gpu(
+        peak_flops=165.2e12, memory_bytes=24_564 * MIB, nvlink_bandwidth=32e9, gpus_per_node=1
+    ),
 }
 """The GPUs published runs name, by :attr:`PublishedRun.gpu`."""
 

@@ -4,17 +4,21 @@
 module adds what chapter 05 needs on top of that:
 
 * bytes per parameter and communication of each stage, per run of each
-  collective and per step of ``k`` micro-batches, relative to plain data
-  parallelism (:data:`ZERO_COLLECTIVES`, :func:`bytes_per_param`,
-  :func:`zero_collective_bytes`, :func:`zero_traffic`); the planner of chapter 13
-  takes its data-parallel bytes from here;
+  collective and per step of ``k`` micro-batches (with sharded or whole gradients
+  accumulated), relative to plain data parallelism (:data:`ZERO_COLLECTIVES`,
+  :func:`bytes_per_param`, :func:`zero_collective_bytes`, :func:`zero_traffic`); the
+  planner of chapter 13 takes its data-parallel bytes from here;
 * how FSDP2 (``torch.distributed.fsdp.fully_shard``) really cuts each tensor:
   along its first dimension, in ``ceil(rows / N)``-row chunks, the last ranks
   getting fewer rows or none (:func:`fsdp_shard_rows`, :func:`fsdp_state_bytes`);
 * the layer-by-layer order in which FSDP gathers, frees and reduce-scatters,
   as a list of moments (:func:`fsdp_moments`) and as the sequence of
   collectives it issues (:func:`fsdp_collectives`), which the chapter compares
-  with a real run.
+  with a real run;
+* the bytes a rank holds at each moment of an FSDP2 step: its shards plus the
+  units alive whole at once, with prefetching (:func:`fsdp_memory_moments`,
+  :func:`fsdp_peak`, for a decoder wrapped as torchtitan wraps it
+  :func:`decoder_units`).
 """
 
 from __future__ import annotations
@@ -155,6 +159,7 @@ def zero_traffic(
     bytes_per_value: int = 2,
     micro_batches: int = 1,
     bytes_per_gradient: int | None = None,
+    keep_unsharded_gradients: bool = False,
 ) -> dict[str, int]:
     """Bytes one GPU sends in one training step of ``micro_batches`` micro-batches.
 
@@ -166,11 +171,19 @@ def zero_traffic(
     gradients: one pass more, 1.5 times DDP. With ``k`` micro-batches DDP and ZeRO-1
     still send that once per step, ZeRO-2 sends ``k`` reduce-scatters and ZeRO-3
     ``k`` times everything.
+
+    ``keep_unsharded_gradients=True`` accumulates whole gradients over the micro-batches
+    and reduces them once, after the last one (FSDP2's ``set_requires_gradient_sync(False)``
+    on the others, FSDP1's ``no_sync``): every gradient collective then runs once per
+    step, at the price of a whole gradient per GPU (ZeRO-2's saving is gone). Stages 0
+    and 1 already do so; stage 3 still gathers the weights twice per micro-batch.
     """
     runs = zero_collective_bytes(params, gpus, zero_stage, bytes_per_value, bytes_per_gradient)
     k = _checks.count("micro_batches", micro_batches, minimum=1)
+    whole = _checks.boolean("keep_unsharded_gradients", keep_unsharded_gradients)
     return {
-        c.name: runs[c.name] * (k if c.per_micro_batch else 1)
+        c.name: runs[c.name]
+        * (k if c.per_micro_batch and not (whole and c.carries == "gradients") else 1)
         for c in ZERO_COLLECTIVES[_stage(zero_stage)]
     }
 
@@ -287,18 +300,29 @@ def fsdp_moments(layers: int, prefetch: bool = True) -> list[FsdpMoment]:
     Forward, layer by layer: all-gather the layer's shards, compute, free the
     gathered weights (the activations stay). Backward, from the last layer down:
     all-gather the layer again, compute its gradients, free it, reduce-scatter the
-    gradients so each rank keeps the summed slice it owns. With ``prefetch``
-    (FSDP2's default in backward) the all-gather of the next layer down is issued
-    while the current one computes, so two layers are whole at once. Last, each
-    rank updates its own shards. ``2 * layers + 1`` moments in all.
+    gradients so each rank keeps the summed slice it owns. Last, each rank updates
+    its own shards. ``2 * layers + 1`` moments in all.
+
+    With ``prefetch`` the all-gather of the layer that comes next is in flight
+    while the current one computes, so two layers are whole at once, in both
+    passes: FSDP2's default on a GPU. In backward it prefetches explicitly (the
+    layer's pre-backward issues the next layer's all-gather); in forward implicitly
+    (the CPU issues the next all-gather after this layer's kernels, and it runs on
+    its own stream while they do). The order of the collectives is the same either
+    way. A CPU finishes each operation before issuing the next, so there forward
+    overlaps only with ``set_modules_to_forward_prefetch`` (explicit prefetching).
     """
     n = _checks.count("layers", layers, minimum=1)
     _checks.boolean("prefetch", prefetch)
-    moments = [FsdpMoment("forward", i, frozenset({i}), (i,), ()) for i in range(n)]
+    moments = []
+    for i in range(n):
+        ahead = (i + 1,) if prefetch and i < n - 1 else ()
+        # With prefetch, only the first layer is gathered at its own turn; every
+        # other one arrived during the moment before.
+        gathers = ((i,) if not prefetch or i == 0 else ()) + ahead
+        moments.append(FsdpMoment("forward", i, frozenset({i, *ahead}), gathers, ()))
     for i in reversed(range(n)):
         ahead = (i - 1,) if prefetch and i > 0 else ()
-        # Without prefetch each layer is gathered when its turn comes; with it, only
-        # the first layer of backward is, the others arrived during the previous moment.
         gathers = ((i,) if not prefetch or i == n - 1 else ()) + ahead
         moments.append(FsdpMoment("backward", i, frozenset({i, *ahead}), gathers, (i,)))
     moments.append(FsdpMoment("optimiser", None, frozenset(), (), ()))
@@ -313,3 +337,200 @@ def fsdp_collectives(moments: Sequence[FsdpMoment]) -> list[tuple[str, int]]:
         order += [("all-gather", layer) for layer in moment.all_gathers]
         order += [("reduce-scatter", layer) for layer in moment.reduce_scatters]
     return order
+
+
+# --- What one rank holds at each moment of an FSDP2 step -------------------------------
+
+
+@dataclass(frozen=True)
+class FsdpMemory:
+    """Bytes one rank holds at one moment of an FSDP2 step, by what they are.
+
+    ``phase`` is ``"forward"``, ``"backward"`` or ``"optimiser"`` and ``unit`` the
+    unit computing (``None`` for the optimiser step). The sharded state:
+    ``sharded_weights`` (the rank's padded shards), ``gradient_shards`` (the summed
+    gradient slices reduce-scattered so far) and ``optimizer_state`` (Adam's moments of
+    the rank's elements). The working memory, whole units: ``whole_weights`` (gathered
+    weights and all-gather buffers) and ``whole_gradients`` (gradients of a whole unit
+    and reduce-scatter buffers).
+    """
+
+    phase: str
+    unit: int | None
+    sharded_weights: int
+    gradient_shards: int
+    optimizer_state: int
+    whole_weights: int
+    whole_gradients: int
+
+    @property
+    def sharded(self) -> int:
+        """Bytes of sharded state: weights, gradient shards and optimiser state."""
+        return self.sharded_weights + self.gradient_shards + self.optimizer_state
+
+    @property
+    def whole(self) -> int:
+        """Bytes of whole (unsharded) units: weights and gradients."""
+        return self.whole_weights + self.whole_gradients
+
+    @property
+    def total(self) -> int:
+        """Every byte counted at this moment (activations are not)."""
+        return self.sharded + self.whole
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """One FSDP unit's sizes, in elements, on ``world_size`` ranks."""
+
+    numel: int  # all its parameters, unpadded
+    padded_shard: int  # what every rank allocates for its shards
+    local: int  # what this rank holds, unpadded
+
+    def whole(self, world_size: int) -> int:
+        """Elements of the unit gathered whole: ``world_size`` padded shards."""
+        return world_size * self.padded_shard
+
+
+def _units(units: Sequence[Sequence[Sequence[int]]], world_size: int, rank: int) -> list[_Unit]:
+    if isinstance(units, str | bytes) or not isinstance(units, Sequence) or not units:
+        raise ValueError(f"units must be a non-empty sequence of lists of shapes, got {units!r}")
+    sized = []
+    for unit in units:
+        if isinstance(unit, str | bytes) or not isinstance(unit, Sequence):
+            raise ValueError(f"units must hold lists of parameter shapes, got {unit!r}")
+        sized.append(
+            _Unit(
+                numel=sum(math.prod(_shape(shape)) for shape in unit),
+                padded_shard=sum(fsdp_padded_numel(shape, world_size) for shape in unit),
+                local=sum(fsdp_shard_numels(shape, world_size)[rank] for shape in unit),
+            )
+        )
+    return sized
+
+
+def fsdp_memory_moments(
+    units: Sequence[Sequence[Sequence[int]]],
+    world_size: int,
+    rank: int = 0,
+    *,
+    forward_prefetch: int = 0,
+    backward_prefetch: int = 1,
+    shard_bytes: int = 4,
+    compute_bytes: int | None = None,
+    reduce_bytes: int | None = None,
+    optimizer_bytes: int = 8,
+) -> list[FsdpMemory]:
+    """Bytes ``rank`` holds at each moment of one FSDP2 training step (model state only).
+
+    ``units`` are the FSDP units in forward order, each given as the shapes of its
+    parameters (a ``(n,)`` shape stands for ``n`` parameters). Every unit is
+    ``fully_shard``-ed with ``reshard_after_forward=True`` under a root that holds no
+    parameters; the step is not the first (Adam's state exists) and the previous
+    step's gradients were freed (``zero_grad()``). The moments are those of
+    :func:`fsdp_moments`: each unit's forward, each unit's backward at the instant its
+    gradients are complete (before its reduce-scatter), then the optimiser step.
+
+    Sharded state: ``shard_bytes`` per element of the padded shards (the fp32 master
+    weights), the same per element of the gradient slices reduce-scattered so far
+    (padded: one flat buffer per unit), and ``optimizer_bytes`` per element the rank
+    holds (Adam: 8). Whole units, as FSDP2 allocates them (``world_size`` padded
+    shards each), in ``compute_bytes`` (the ``param_dtype``, default ``shard_bytes``):
+
+    * forward of unit ``i``: its gathered weights, *and* the flat buffer the
+      all-gather wrote into, which FSDP2 keeps until the next unit has been gathered
+      (two all-gather outputs alive at once: its implicit forward prefetch), plus the
+      buffers of the ``forward_prefetch`` next units (``set_modules_to_forward_prefetch``);
+    * backward of unit ``i``: its gathered weights and the all-gather buffers of the
+      ``backward_prefetch`` units below (FSDP2's default: 1); its gradients (unpadded,
+      in ``compute_bytes``), and the reduce-scatter input of the unit above (padded, in
+      ``reduce_bytes``, default ``compute_bytes``), which FSDP2 keeps until this
+      unit's reduce-scatter is issued (on a GPU it is still in flight).
+
+    These are the exact bytes of the tensors FSDP2 holds on a CPU (chapter 05 checks
+    them rank by rank). On a GPU the CPU runs ahead of the kernels, so the next
+    forward all-gather can be allocated while a unit still computes: count it with
+    ``forward_prefetch=1``. Transient buffers (the copy into the all-gather input,
+    the reduce-scatter output before it becomes the gradient shard) and activations
+    are not counted.
+    """
+    n_ranks = _checks.count("world_size", world_size, minimum=1)
+    r = _checks.count("rank", rank)
+    if r >= n_ranks:
+        raise ValueError(f"rank must be between 0 and world_size - 1 = {n_ranks - 1}, got {rank}")
+    ahead = _checks.count("forward_prefetch", forward_prefetch)
+    behind = _checks.count("backward_prefetch", backward_prefetch)
+    shard = _checks.count("shard_bytes", shard_bytes, minimum=1)
+    compute = (
+        shard if compute_bytes is None else _checks.count("compute_bytes", compute_bytes, minimum=1)
+    )
+    reduce = (
+        compute if reduce_bytes is None else _checks.count("reduce_bytes", reduce_bytes, minimum=1)
+    )
+    optimizer = _checks.count("optimizer_bytes", optimizer_bytes)
+    sized = _units(units, n_ranks, r)
+    n = len(sized)
+
+    def whole(indices: range) -> int:
+        return sum(sized[j].whole(n_ranks) for j in indices if 0 <= j < n)
+
+    def moment(phase: str, unit: int | None, shards: range, weights: int, grads: int):
+        return FsdpMemory(
+            phase=phase,
+            unit=unit,
+            sharded_weights=shard * sum(u.padded_shard for u in sized),
+            gradient_shards=shard * sum(sized[j].padded_shard for j in shards),
+            optimizer_state=optimizer * sum(u.local for u in sized),
+            whole_weights=compute * weights,
+            whole_gradients=grads,
+        )
+
+    moments = [
+        moment(
+            "forward",
+            i,
+            range(0),
+            2 * whole(range(i, i + 1)) + whole(range(i + 1, i + 1 + ahead)),
+            0,
+        )
+        for i in range(n)
+    ]
+    for i in reversed(range(n)):
+        weights = whole(range(i, i + 1)) + whole(range(i - behind, i))
+        grads = compute * sized[i].numel + reduce * whole(range(i + 1, i + 2))
+        moments.append(moment("backward", i, range(i + 1, n), weights, grads))
+    moments.append(moment("optimiser", None, range(n), 0, 0))
+    return moments
+
+
+def fsdp_peak(
+    units: Sequence[Sequence[Sequence[int]]], world_size: int, rank: int = 0, **sizes: int
+) -> FsdpMemory:
+    """The moment of :func:`fsdp_memory_moments` at which ``rank`` holds the most bytes
+    (the first such moment); ``sizes`` are its keyword arguments.
+
+    Its ``total`` is the sharded state so far plus the largest set of whole units alive
+    at once: the peak a GPU must fit, activations aside.
+    """
+    return max(fsdp_memory_moments(units, world_size, rank, **sizes), key=lambda m: m.total)
+
+
+def decoder_units(params: float, layers: int, d_model: int, vocab: int) -> list[list[tuple[int]]]:
+    """FSDP units of a decoder of ``params`` parameters, wrapped as torchtitan wraps it.
+
+    The token embedding (``vocab x d_model``), then ``layers`` blocks, then the output
+    head (``vocab x d_model``, untied), each its own unit; the blocks share equally what
+    the embedding and the head leave (the head takes the remainder of the division,
+    fewer than ``layers`` parameters). Each unit is one flat ``(n,)`` shape, for
+    :func:`fsdp_memory_moments`.
+    """
+    total = _checks.count("params", params)
+    n_layers = _checks.count("layers", layers, minimum=1)
+    table = _checks.count("vocab", vocab, minimum=1) * _checks.count("d_model", d_model, minimum=1)
+    if 2 * table > total:
+        raise ValueError(
+            f"params must be at least the embedding and head, 2 x vocab x d_model = "
+            f"{2 * table:,}, got {params!r}"
+        )
+    block, rest = divmod(total - 2 * table, n_layers)
+    return [[(table,)], *([(block,)] for _ in range(n_layers)), [(table + rest,)]]

@@ -5,17 +5,21 @@ drawn from a random Markov chain over a small vocabulary, whose best possible
 loss is known exactly (:func:`best_possible_loss`), so "trained" has a number
 attached.
 :func:`train` runs it with the book's schedule (:func:`trainscale.schedule.learning_rate`),
-with or without warmup and gradient clipping, and returns the loss, the
-gradient norm and the learning rate of every step. Runs are deterministic and
-the same on every CPU: the data and the weights come from seeds (drawn in
+with or without warmup and gradient clipping (and, as remedies for spikes,
+PaLM's :func:`z_loss`, QK-layernorm through ``GPTConfig.qk_norm``, or
+AdamW's ``beta2``), and returns the loss, the gradient norm and the learning
+rate of every step. :func:`noise_scale_run` also measures McCandlish et al.'s
+gradient noise scale (:mod:`trainscale.batch_size`) at chosen steps of a run.
+Runs are deterministic and the same on every CPU: the data and the weights come from seeds (drawn in
 float64), every step is computed in float64 on one thread and its result
 rounded once to fp32 values (:func:`model`), so the last-bit differences
 between CPUs' kernels (about 1e-16) almost never change a stored weight.
 Without that rounding they would: a run at a learning rate this high is
 chaotic, and a difference of 1e-16 grows to the first printed digit.
 
-:func:`decay_comparison` shows, with PyTorch's own optimisers, why Adam with
-an L2 penalty is not Adam with weight decay (Loshchilov and Hutter,
+:func:`adam_step_sizes` shows that only Adam's first step is the learning rate
+whatever the batch. :func:`decay_comparison` shows, with PyTorch's own
+optimisers, why Adam with an L2 penalty is not Adam with weight decay (Loshchilov and Hutter,
 arXiv 1711.05101).
 """
 
@@ -23,13 +27,15 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+from torch.nn import functional as F
 
 from trainscale import _checks
+from trainscale.batch_size import NoiseEstimate, noise_estimates, per_example_gradients
 from trainscale.schedule import learning_rate
 from trainscale.transformer import GPT, GPTConfig, gpt
 
@@ -195,6 +201,8 @@ def train(
     batch: int = 16,
     config: GPTConfig = CONFIG,
     seed: int = 0,
+    z_loss: float = 0.0,
+    beta2: float = 0.95,
 ) -> Run:
     """Train a fresh tiny GPT on the Markov language for ``steps`` steps.
 
@@ -202,13 +210,43 @@ def train(
     linear warmup over ``warmup`` steps (0: none), then cosine decay to a tenth
     of the peak. ``clip`` is the largest global gradient norm allowed
     (``torch.nn.utils.clip_grad_norm_``); ``None`` clips nothing.
-    ``optimizer`` is ``"sgd"`` (momentum 0.9) or ``"adamw"`` (betas 0.9, 0.95,
-    no weight decay). ``seed`` fixes the weights, the chain and the data;
+    ``optimizer`` is ``"sgd"`` (momentum 0.9) or ``"adamw"`` (betas 0.9 and
+    ``beta2``, no weight decay). ``z_loss`` adds PaLM's auxiliary loss,
+    ``z_loss`` times the mean over tokens of ``log(Z)^2`` (``Z``: the sum of the
+    exponentiated output logits), to the loss that is differentiated; the
+    logged loss stays the cross-entropy alone. ``config.qk_norm`` switches on
+    QK-layernorm. ``seed`` fixes the weights, the chain and the data;
     every batch is fresh text (``batch`` sequences of ``config.context`` tokens).
     The model is :func:`model`'s: every step is computed in float64 and the
     weights are rounded to fp32 values after it, so a run is the same on every
     CPU. It stops early if its loss is not finite or above :data:`LOSS_LIMIT`.
     """
+    return _train(
+        peak, warmup, clip, steps, optimizer, batch, config, seed, z_loss, beta2, watch=None
+    )
+
+
+def _checked_config(config: object) -> GPTConfig:
+    if not isinstance(config, GPTConfig):
+        raise ValueError(f"config must be a GPTConfig, got {type(config).__name__}")
+    return config
+
+
+def _train(
+    peak: float,
+    warmup: int,
+    clip: float | None,
+    steps: int,
+    optimizer: str,
+    batch: int,
+    config: GPTConfig,
+    seed: int,
+    z_loss: float,
+    beta2: float,
+    watch: Callable[[int, GPT], None] | None,
+) -> Run:
+    """:func:`train`'s loop; ``watch(step, net)``, if given, sees the weights
+    before each step and once more after the last one (``step == steps``)."""
     lr_peak = _checks.positive("peak", peak)
     n_steps = _checks.count("steps", steps, minimum=1)
     w = _checks.count("warmup", warmup)
@@ -216,9 +254,12 @@ def train(
         raise ValueError(f"warmup must be in [0, steps) = [0, {n_steps}), got {warmup!r}")
     max_norm = math.inf if clip is None else _checks.positive("clip", clip)
     kind = _checks.choice("optimizer", optimizer, OPTIMIZERS)
-    if not isinstance(config, GPTConfig):
-        raise ValueError(f"config must be a GPTConfig, got {type(config).__name__}")
+    config = _checked_config(config)
     seed = _checks.count("seed", seed)
+    z_weight = _checks.non_negative("z_loss", z_loss)
+    b2 = _checks.fraction("beta2", beta2)
+    if b2 == 1.0:
+        raise ValueError(f"beta2 must be a number in [0, 1), got {beta2!r}")
     chain = transition_matrix(config.vocab, seed)
     data = sample_batches(chain, n_steps, batch, config.context, seed + 1)
     losses, norms, lrs = [], [], []
@@ -228,23 +269,133 @@ def train(
         if kind == "sgd":
             opt = torch.optim.SGD(params, lr=lr_peak, momentum=0.9)
         else:
-            opt = torch.optim.AdamW(params, lr=lr_peak, betas=(0.9, 0.95), weight_decay=0.0)
+            opt = torch.optim.AdamW(params, lr=lr_peak, betas=(0.9, b2), weight_decay=0.0)
         for step, tokens in enumerate(data):
+            if watch is not None:
+                watch(step, net)
             lr = learning_rate(step, lr_peak, w, n_steps)
             for group in opt.param_groups:
                 group["lr"] = lr
-            loss = net.loss(tokens[:, :-1], tokens[:, 1:])
+            loss, language_loss = _losses(net, tokens, z_weight)
             opt.zero_grad()
             loss.backward()
             norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-            losses.append(loss.item())
+            losses.append(language_loss)
             norms.append(norm.item())
             lrs.append(lr)
             if not losses[-1] <= LOSS_LIMIT:  # inf, NaN or above the limit
                 break
             opt.step()
             _round_to_fp32(params)
+        else:
+            if watch is not None:
+                watch(n_steps, net)
     return Run(tuple(losses), tuple(norms), tuple(lrs), n_steps)
+
+
+def _losses(net: GPT, tokens: torch.Tensor, z_weight: float) -> tuple[torch.Tensor, float]:
+    """The loss to differentiate and the cross-entropy to log (nats per token)."""
+    if z_weight == 0.0:
+        loss = net.loss(tokens[:, :-1], tokens[:, 1:])
+        return loss, loss.item()
+    logits = net(tokens[:, :-1]).flatten(0, -2)
+    cross_entropy = F.cross_entropy(logits, tokens[:, 1:].flatten())
+    return cross_entropy + z_weight * z_loss(logits), cross_entropy.item()
+
+
+def z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """PaLM's auxiliary z-loss before its coefficient: the mean over positions of
+    ``log(Z)^2``, where ``Z = sum_j exp(logits_j)`` over the vocabulary (last dim).
+
+    Zero when every softmax normaliser is 1; it pulls ``log Z`` towards 0, so the
+    output logits cannot drift far up or down together (PaLM weighted it 1e-4).
+    """
+    if not isinstance(logits, torch.Tensor) or logits.dim() < 1:
+        raise ValueError("logits must be a tensor whose last dimension is the vocabulary")
+    return torch.logsumexp(logits, dim=-1).pow(2).mean()
+
+
+def sequence_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of ``logits`` (..., vocab) against ``targets`` (...): the
+    loss of :meth:`GPT.loss`, for :func:`trainscale.batch_size.per_example_gradients`."""
+    return F.cross_entropy(logits.flatten(0, -2), targets.flatten())
+
+
+@dataclass(frozen=True)
+class NoiseScaleRun:
+    """A :func:`train` run and, at each of the steps ``at``, McCandlish et al.'s
+    estimates from per-sequence gradients on held-out text (``estimates[i]`` at
+    ``at[i]``: the weights after that many steps), the mean loss on that
+    text (``held_out_losses[i]``, nats per token), and the same estimates from
+    each half of the held-out sequences on its own (``halves[i]``): how far
+    apart those two land shows how noisy the estimate is."""
+
+    run: Run
+    at: tuple[int, ...]
+    estimates: tuple[NoiseEstimate, ...]
+    held_out_losses: tuple[float, ...]
+    halves: tuple[tuple[NoiseEstimate, NoiseEstimate], ...]
+
+    @property
+    def noise_scales(self) -> tuple[float, ...]:
+        """``B_simple`` at each step of ``at``, in sequences of ``config.context`` tokens."""
+        return tuple(e.simple_noise_scale for e in self.estimates)
+
+
+def noise_scale_run(
+    peak: float,
+    warmup: int = 0,
+    clip: float | None = None,
+    *,
+    at: Sequence[int],
+    examples: int = 256,
+    steps: int = 150,
+    optimizer: str = "sgd",
+    batch: int = 16,
+    config: GPTConfig = CONFIG,
+    seed: int = 0,
+) -> NoiseScaleRun:
+    """A :func:`train` run (same arguments, same result) that also measures the
+    gradient noise scale of its weights after each number of steps in ``at``.
+
+    At each such point, ``examples`` held-out sequences (drawn from the same
+    chain with seed ``seed + 2``, the same sequences every time) each give the
+    gradient of their own mean loss (:func:`trainscale.batch_size.per_example_gradients`,
+    in float64), and :func:`trainscale.batch_size.noise_estimates` turns them into
+    unbiased estimates of ``|G|^2`` and ``tr(Sigma)``. One example is one
+    sequence: the batch sizes that come out are counted in sequences.
+    """
+    n_steps = _checks.count("steps", steps, minimum=1)
+    wanted = sorted({_checks.count("at", s) for s in at})
+    if not wanted or wanted[-1] > n_steps:
+        raise ValueError(f"at must hold steps in [0, steps] = [0, {n_steps}], got {list(at)!r}")
+    n = _checks.count("examples", examples, minimum=4)
+    config = _checked_config(config)
+    chain = transition_matrix(config.vocab, _checks.count("seed", seed))
+    held_out = sample_batches(chain, 1, n, config.context, seed + 2)[0]
+    found: dict[int, tuple[NoiseEstimate, float, tuple[NoiseEstimate, NoiseEstimate]]] = {}
+
+    def measure(step: int, net: GPT) -> None:
+        if step in wanted:
+            inputs, targets = held_out[:, :-1], held_out[:, 1:]
+            grads = per_example_gradients(net, inputs, targets, sequence_loss)
+            with torch.no_grad():
+                loss = net.loss(inputs, targets).item()
+            halves = (noise_estimates(grads[: n // 2]), noise_estimates(grads[n // 2 :]))
+            found[step] = (noise_estimates(grads), loss, halves)
+
+    run = _train(
+        peak, warmup, clip, n_steps, optimizer, batch, config, seed, 0.0, 0.95, watch=measure
+    )
+    if len(found) < len(wanted):
+        raise ValueError(f"the run diverged at step {len(run.losses) - 1}, before every step in at")
+    return NoiseScaleRun(
+        run,
+        tuple(wanted),
+        tuple(found[s][0] for s in wanted),
+        tuple(found[s][1] for s in wanted),
+        tuple(found[s][2] for s in wanted),
+    )
 
 
 def first_rise(values: Sequence[float], factor: float = 2.0, window: int = 10) -> int | None:
@@ -287,6 +438,63 @@ def linear_scaling_gap(lr: float, k: int = 8, batch: int = 32, seed: int = 0) ->
         small = small - rate * gradient(small, x, y)
     large = start - n_steps * rate * gradient(start, features.flatten(0, 1), targets.flatten())
     return float((small - large).norm() / (large - start).norm())
+
+
+def adam_step_sizes(
+    batches: Sequence[int],
+    *,
+    steps: int = 200,
+    signal: float = 1.0,
+    noise: float = 8.0,
+    weights: int = 10_000,
+    beta2: float = 0.95,
+    seed: int = 0,
+) -> dict[int, tuple[float, float]]:
+    """How far AdamW moves weights at its first step and later, for each batch size.
+
+    Every weight's true gradient is ``signal``; one example's gradient adds
+    standard normal noise times ``noise``, so a batch of ``B`` examples gives
+    ``signal + noise * z / sqrt(B)`` (``z`` drawn in float64, seeded; the
+    weights do not change the gradients). ``torch.optim.AdamW`` (betas 0.9 and
+    ``beta2``, learning rate 1, no weight decay) runs ``steps`` steps on them.
+    The result maps each batch size to ``(first, late)``: the median over the
+    weights of ``|step|`` at the first step, and the mean over the weights and
+    the last half of the steps of the step along the true gradient (its
+    useful part), both in units of the learning rate.
+    """
+    sizes = [_checks.count("batches", b, minimum=1) for b in batches]
+    if not sizes:
+        raise ValueError("batches must hold at least one batch size, got none")
+    n_steps = _checks.count("steps", steps, minimum=2)
+    g = _checks.positive("signal", signal)
+    sigma = _checks.non_negative("noise", noise)
+    n = _checks.count("weights", weights, minimum=1)
+    b2 = _checks.fraction("beta2", beta2)
+    generator_seed = _checks.count("seed", seed)
+    with _one_thread():
+        return {size: _adam_steps(size, n_steps, g, sigma, n, b2, generator_seed) for size in sizes}
+
+
+def _adam_steps(
+    size: int, n_steps: int, g: float, sigma: float, n: int, b2: float, seed: int
+) -> tuple[float, float]:
+    """:func:`adam_step_sizes` for one batch size."""
+    generator = torch.Generator().manual_seed(seed)
+    w = torch.zeros(n, dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.AdamW([w], lr=1.0, betas=(0.9, b2), weight_decay=0.0)
+    useful = []
+    first = 0.0
+    for step in range(n_steps):
+        z = torch.randn(n, generator=generator, dtype=torch.float64)
+        before = w.detach().clone()
+        w.grad = g + sigma * z / math.sqrt(size)
+        opt.step()
+        moved = w.detach() - before
+        if step == 0:
+            first = float(moved.abs().median())
+        if step >= n_steps // 2:
+            useful.append(float(-moved.mean()))  # along -gradient: the true descent
+    return first, statistics.fmean(useful)
 
 
 def decay_comparison(

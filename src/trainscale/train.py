@@ -471,8 +471,10 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
             _say(rank, line)
             busy, window = 0.0, 0
         if args.ckpt_dir and (step % args.ckpt_every == 0 or step == args.steps):
+            saving = time.perf_counter()  # how long training stalls for the save
             save_checkpoint(state, args.ckpt_dir, args.keep_checkpoints)
-            _say(rank, f"saved checkpoint step_{step:08d}")
+            saved = time.perf_counter() - saving
+            _say(rank, f"saved checkpoint step_{step:08d} in {saved:.4f} s (measured)")
     took = time.perf_counter() - started
     _say(rank, f"finished at step {step}; this attempt trained for {took:.1f} s (measured)")
     if args.final_weights:

@@ -17,7 +17,10 @@ its shape and the switches the chapters turn:
   on each residual branch, as the CPU runs it or as a GPU kernel does (chapter 09);
 - ``recompute``: activation checkpointing, of each block's attention core
   (``"selective"``, chapter 09) or of each whole block (``"full"``, chapter 13);
-- ``tied``: the head reuses the token embedding's weight.
+- ``tied``: the head reuses the token embedding's weight;
+- ``qk_norm``: a layer norm on each head's queries and keys before their dot
+  product (QK-layernorm, Dehghani et al. 2023; Wortsman et al., arXiv
+  2309.14322), which bounds the attention scores (chapter 10).
 
 :func:`attend` is the attention formula itself, which the tensor-parallel
 demonstrations of chapter 06 reuse. :func:`parameter_counts` gives the exact
@@ -59,6 +62,8 @@ class GPTConfig:
     probabilities and to the output of each residual branch;
     ``fused_dropout=True`` runs it as ``torch.native_dropout``, which keeps a
     1-byte mask per element, as on a GPU, instead of one in the activations' dtype.
+    ``qk_norm=True`` adds a layer norm (weight and bias over one head's
+    ``d_model / heads`` features) on the queries and one on the keys of every block.
     """
 
     vocab: int = 64
@@ -72,6 +77,7 @@ class GPTConfig:
     dropout: float = 0.0
     fused_dropout: bool = False
     recompute: str = "none"
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab", "context", "d_model", "layers", "heads"):
@@ -85,6 +91,7 @@ class GPTConfig:
             raise ValueError(f"dropout must be a number in [0, 1), got {self.dropout!r}")
         _checks.boolean("fused_dropout", self.fused_dropout)
         _checks.choice("recompute", self.recompute, RECOMPUTE)
+        _checks.boolean("qk_norm", self.qk_norm)
         if self.recompute == "selective" and self.attention != "naive":
             raise ValueError(
                 f"recompute='selective' needs attention='naive', got {self.attention!r}"
@@ -175,6 +182,9 @@ class CausalSelfAttention(nn.Module):
         self.config = config
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
         self.proj = nn.Linear(config.d_model, config.d_model)
+        if config.qk_norm:  # over each head's features, shared by the heads
+            self.q_norm = nn.LayerNorm(config.d_model // config.heads)
+            self.k_norm = nn.LayerNorm(config.d_model // config.heads)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, width = x.shape
@@ -182,6 +192,8 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.qkv(x).split(width, dim=-1)
         # (batch, seq, width) -> (batch, heads, seq, head width)
         q, k, v = (t.view(batch, seq, c.heads, -1).transpose(1, 2) for t in (q, k, v))
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         options = {
             "kind": c.attention,
             "dropout_p": c.dropout,
@@ -295,7 +307,8 @@ def parameter_counts(config: GPTConfig) -> dict[str, int]:
     Keys: ``"token embedding"``, ``"position embedding"``, ``"attention"``
     (query, key, value and output matrices with their biases, all layers),
     ``"mlp"``, ``"layer norms"`` (two per block and the final one) and
-    ``"head"`` (0 when tied: it reuses the token embedding). The values add up
+    ``"head"`` (0 when tied: it reuses the token embedding). ``qk_norm`` adds two
+    norms of ``2 * d_model / heads`` parameters per block to ``"layer norms"``. The values add up
     to ``sum(p.numel() for p in model.parameters())``.
     """
     _check_config(config)
@@ -305,7 +318,8 @@ def parameter_counts(config: GPTConfig) -> dict[str, int]:
         "position embedding": config.context * d,
         "attention": layers * (4 * d * d + 4 * d),
         "mlp": layers * (2 * d * hidden + hidden + d),
-        "layer norms": (2 * layers + 1) * 2 * d,
+        "layer norms": (2 * layers + 1) * 2 * d
+        + (layers * 4 * d // config.heads if config.qk_norm else 0),
         "head": 0 if config.tied else config.vocab * d,
     }
 

@@ -153,3 +153,28 @@ def test_page_weights_stay_light():
     report = "\n".join(lines)
     (SITE.parent / "page-weights.txt").write_text(report + "\n")
     print(report)
+
+
+@pytest.mark.parametrize("path", [p for p in PAGES if p.startswith("notebooks/")][:1])
+def test_quiz_keeps_a_running_score_and_hides_its_answer_key(browser, site_url, path):
+    """Where scripts run, the first answer opened per question counts; the quiz cell's
+    source (every choice with True/False beside it) is not on the page at all."""
+    page, visit = _open(browser, f"{site_url}/{path}", site_url)
+    try:
+        assert "Choice(" not in page.content(), "the quiz's answer key is on the page"
+        quiz = page.locator("ol.trainscale-quiz")
+        score = page.locator("p.trainscale-quiz-score")
+        questions = quiz.locator(":scope > li")
+        total = questions.count()
+        assert total >= 2
+        assert score.inner_text() == f"0 of {total} answered correctly ({total} to go)"
+        questions.nth(0).locator("details.right > summary").click()
+        assert score.inner_text().startswith(f"1 of {total} answered correctly")
+        questions.nth(1).locator("details.wrong > summary").first.click()
+        questions.nth(1).locator("details.right > summary").click()  # a second try: no credit
+        assert score.inner_text() == (
+            f"1 of {total} answered correctly" + (f" ({total - 2} to go)" if total > 2 else "")
+        )
+        assert visit.errors == [], "console errors"
+    finally:
+        page.close()

@@ -7,19 +7,23 @@ shows is what a cell printed. One module per chapter idea; the house style is
 in :mod:`trainscale.figures.style`.
 """
 
-from trainscale.figures.checkpointing import layer_bytes, memory_timelines
+from trainscale.figures.batch_size import noise_scale_growth
+from trainscale.figures.checkpointing import layer_bytes, memory_timelines, recompute_slowdown
 from trainscale.figures.collectives import (
+    alpha_beta_fit,
     bandwidth_against_size,
+    exposed_communication,
     four_collectives,
     ring_stages,
     ring_step,
 )
 from trainscale.figures.compute import attention_share, budget_table, flop_breakdown
-from trainscale.figures.data_parallel import batch_split
+from trainscale.figures.data_parallel import batch_split, bucket_timeline
 from trainscale.figures.efficiency import (
     loader_timeline,
     matmul_throughput,
     mfu_against_batch,
+    restated_utilisation,
     step_breakdown,
     step_durations,
 )
@@ -31,9 +35,16 @@ from trainscale.figures.precision import (
     format_ranges,
     gradient_histogram,
     loss_scale_trace,
+    scaled_cast_histogram,
 )
+from trainscale.figures.reliability import checkpoint_tradeoff, simulated_intervals
 from trainscale.figures.schedule import decay_bars, lr_schedule, training_curves
-from trainscale.figures.sharding import fsdp_timeline, zero_stage_bars
+from trainscale.figures.sharding import (
+    fsdp_memory_timeline,
+    fsdp_timeline,
+    zero_accumulation_traffic,
+    zero_stage_bars,
+)
 from trainscale.figures.step import flop_bars, step_timeline
 from trainscale.figures.style import PALETTE, STYLE, BookFigure, new_figure, svg_text
 from trainscale.figures.tensor_parallel import tensor_parallel_mlp_diagram, time_bars
@@ -44,16 +55,21 @@ __all__ = [
     "BookFigure",
     "accumulation",
     "activations_against_batch",
+    "alpha_beta_fit",
     "attention_share",
     "bandwidth_against_size",
     "batch_split",
     "bubble_curves",
+    "bucket_timeline",
     "budget_table",
+    "checkpoint_tradeoff",
     "decay_bars",
+    "exposed_communication",
     "flop_bars",
     "flop_breakdown",
     "format_ranges",
     "four_collectives",
+    "fsdp_memory_timeline",
     "fsdp_timeline",
     "gradient_histogram",
     "layer_bytes",
@@ -65,11 +81,16 @@ __all__ = [
     "memory_timelines",
     "mfu_against_batch",
     "new_figure",
+    "noise_scale_growth",
     "pipeline_timelines",
     "planner_rejections",
     "planner_top_layouts",
+    "recompute_slowdown",
+    "restated_utilisation",
     "ring_stages",
     "ring_step",
+    "scaled_cast_histogram",
+    "simulated_intervals",
     "step_breakdown",
     "step_durations",
     "step_timeline",
@@ -77,5 +98,6 @@ __all__ = [
     "tensor_parallel_mlp_diagram",
     "time_bars",
     "training_curves",
+    "zero_accumulation_traffic",
     "zero_stage_bars",
 ]

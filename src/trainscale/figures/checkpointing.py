@@ -1,13 +1,15 @@
-"""Figures of chapter 9: saved activations over a step, and one transformer layer's bytes."""
+"""Figures of chapter 9: saved activations over a step, one transformer layer's bytes, and
+the measured price of recomputation."""
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Mapping, Sequence
 
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
-from trainscale.figures.style import PALETTE, STYLE, new_figure
+from trainscale.figures.style import MUTED_INK, PALETTE, STYLE, new_figure
 
 MIB = 2**20
 
@@ -79,4 +81,52 @@ def layer_bytes(measured: Mapping[str, int], estimates: Mapping[str, int], title
         ax.set_xlabel("saved activations of one layer (MiB)")
         ax.set_title(title)
         fig.legend(loc="outside lower center", ncol=min(3, len(estimates)), title="estimate, MiB")
+    return fig
+
+
+def recompute_slowdown(
+    sizes: Sequence[int],
+    slowdowns: Sequence[float],
+    references: Mapping[str, float],
+    title: str,
+    xlabel: str,
+    note: str,
+) -> Figure:
+    """Measured slowdown of a checkpointed step against the size of the model's layers.
+
+    ``slowdowns[i]`` is the time of a training step with checkpointing divided by
+    the time without, measured at ``sizes[i]`` (drawn on a base-2 logarithmic axis).
+    ``references`` maps a label to a counted ratio (of FLOPs, of operators), each
+    drawn as a dashed horizontal line; ``note`` (where the data come from, how
+    FLOPs are counted) is written under the axes, wrapped at 110 characters.
+    """
+    if len(sizes) != len(slowdowns) or not sizes:
+        raise ValueError(
+            f"sizes and slowdowns must be non-empty and of equal length,"
+            f" got {len(sizes)} and {len(slowdowns)}"
+        )
+    lines = [PALETTE["orange"], PALETTE["grey"], PALETTE["green"]]
+    styles = ["--", ":", "-."]
+    with plt.rc_context({**STYLE, "axes.grid.axis": "both"}):
+        fig, ax = new_figure((7.0, 3.8))
+        ax.plot(
+            sizes,
+            slowdowns,
+            color=PALETTE["blue"],
+            marker="o",
+            linewidth=2.0,
+            label="step time with / without checkpointing (measured)",
+        )
+        for colour, style, (label, value) in zip(lines, styles, references.items(), strict=False):
+            ax.axhline(value, color=colour, linestyle=style, linewidth=1.5, label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(list(sizes), [str(s) for s in sizes])
+        ax.minorticks_off()
+        top = max([*slowdowns, *references.values()])
+        ax.set_ylim(1.0, top * 1.08)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("slowdown (x)")
+        ax.set_title(title)
+        ax.legend(loc="upper right", fontsize=9)
+        fig.supxlabel(textwrap.fill(note, 110), fontsize=8, color=MUTED_INK)
     return fig

@@ -1,8 +1,10 @@
-"""Figures of chapter 4: the four collectives, the ring all-reduce step by step, and
-measured all-reduce bandwidth."""
+"""Figures of chapter 4: the four collectives, the ring all-reduce step by step,
+measured all-reduce bandwidth and its latency-bandwidth fit, and when the gradient
+all-reduce hides under backward."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import matplotlib.pyplot as plt
@@ -11,8 +13,18 @@ from matplotlib.colors import to_rgb
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
-from trainscale.collectives import RingStep
-from trainscale.figures.style import INK, PALETTE, PARTIAL_GREY, RANK_COLOURS, STYLE, BookFigure
+from trainscale.collectives import AlphaBeta, DataParallelStep, RingStep
+from trainscale.figures.style import (
+    INK,
+    MUTED_INK,
+    PALETTE,
+    PARTIAL_GREY,
+    PHASE_COLOURS,
+    RANK_COLOURS,
+    STYLE,
+    BookFigure,
+    new_figure,
+)
 
 SUM_COLOUR = INK
 """Data summed over every rank."""
@@ -228,6 +240,11 @@ def ring_step(trace: Sequence[RingStep], index: int) -> Figure:
     return fig
 
 
+def _size_label(size: float) -> str:
+    """Bytes as the sweep names them: ``4 KiB``, ``16 MiB``."""
+    return f"{size / 2**20:g} MiB" if size >= 2**20 else f"{size / 2**10:g} KiB"
+
+
 def bandwidth_against_size(
     sizes: Sequence[int], algbw: Sequence[float], busbw: Sequence[float], ranks: int
 ) -> Figure:
@@ -250,4 +267,124 @@ def bandwidth_against_size(
         ax.set_ylabel("GB/s (measured)")
         ax.set_title(f"All-reduce on {ranks} gloo processes: small messages waste the link")
         ax.legend(loc="upper left")
+    return fig
+
+
+def alpha_beta_fit(sizes: Sequence[float], seconds: Sequence[float], fit: AlphaBeta) -> Figure:
+    """Measured all-reduce times against size, log-log, with the fitted alpha-beta model.
+
+    ``sizes`` in bytes, ``seconds`` per all-reduce, ``fit`` from
+    :func:`trainscale.collectives.fit_alpha_beta`. The model's two terms are drawn
+    apart (latency ``2(N-1) alpha``, flat; bandwidth ``2(N-1)/N S/B``, rising) and a
+    vertical line marks where they cross, ``S* = N alpha B``.
+    """
+    low, high = min(sizes) / 2, max(sizes) * 2
+    grid = [low * (high / low) ** (k / 60) for k in range(61)]
+    latency_term = fit.seconds(0)
+    with plt.rc_context({**STYLE, "axes.grid.axis": "both"}):
+        fig, ax = new_figure((7.0, 3.6))
+        ax.plot(sizes, [t * 1e3 for t in seconds], "o", color=PALETTE["blue"], label="measured")
+        ax.plot(grid, [fit.seconds(s) * 1e3 for s in grid], color=INK, label="fit: T(S)")
+        ax.plot(
+            grid,
+            [latency_term * 1e3] * len(grid),
+            ls="--",
+            color=PALETTE["orange"],
+            label=r"latency term $2(N-1)\alpha$",
+        )
+        ax.plot(
+            grid,
+            [(fit.seconds(s) - latency_term) * 1e3 for s in grid],
+            ls="--",
+            color=PALETTE["green"],
+            label=r"bandwidth term $\frac{2(N-1)}{N} \cdot S/B$",
+        )
+        ax.axvline(fit.crossover_bytes, color=MUTED_INK, lw=1, ls=":")
+        ax.annotate(
+            r"$S^* = N\alpha B$",
+            (fit.crossover_bytes, latency_term * 1e3),
+            xytext=(6, -14),
+            textcoords="offset points",
+            color=MUTED_INK,
+            fontsize=9,
+        )
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(list(sizes), [_size_label(s) for s in sizes])
+        ax.minorticks_off()
+        ax.set_xlim(low, high)
+        ax.set_ylim(bottom=latency_term * 1e3 / 4)
+        ax.set_xlabel("all-reduce message size")
+        ax.set_ylabel("ms per all-reduce (measured)")
+        ax.set_title(f"All-reduce on {fit.ranks} processes: a latency and a bandwidth term")
+        ax.legend(loc="upper left", fontsize=9)
+    return fig
+
+
+DTYPE_COLOURS = {"bf16": PALETTE["green"], "fp32": PALETTE["purple"]}
+"""The all-reduce line of each gradient dtype in :func:`exposed_communication`."""
+
+
+def exposed_communication(
+    tokens_per_gpu: Sequence[float],
+    steps: Mapping[str, Sequence[DataParallelStep]],
+    thresholds: Mapping[str, float],
+    title: str,
+    marked_tokens: float | None = None,
+) -> Figure:
+    """Backward time and gradient all-reduce times against tokens per GPU, log-log.
+
+    ``steps[dtype][i]`` is :func:`trainscale.collectives.data_parallel_step` at
+    ``tokens_per_gpu[i]`` with gradients of that dtype (a key of
+    :data:`DTYPE_COLOURS`); backward is the same for every dtype. Backward grows
+    with the tokens, an all-reduce does not; where the all-reduce is the longer,
+    the difference is exposed (shaded). A vertical line marks each dtype's
+    ``thresholds[dtype]`` (from :func:`trainscale.collectives.dp_hiding_threshold_tokens`),
+    a dotted one the worked example's ``marked_tokens``.
+    """
+    first = next(iter(steps.values()))
+    backward = [s.backward_seconds for s in first]
+    with plt.rc_context({**STYLE, "axes.grid.axis": "both"}):
+        # A fixed layout (no layout engine): a slider draws many of these.
+        fig = BookFigure(figsize=(7.0, 3.6))
+        ax = fig.add_axes((0.1, 0.14, 0.84, 0.76))
+        ax.plot(tokens_per_gpu, backward, color=PHASE_COLOURS["backward"], label="backward")
+        for dtype, dtype_steps in steps.items():
+            comm = [s.all_reduce_seconds for s in dtype_steps]
+            colour = DTYPE_COLOURS[dtype]
+            ax.plot(tokens_per_gpu, comm, color=colour, label=f"all-reduce, {dtype} gradients")
+            ax.fill_between(
+                tokens_per_gpu,
+                backward,
+                comm,
+                where=[c > b for c, b in zip(comm, backward, strict=True)],
+                interpolate=True,
+                color=colour,
+                alpha=0.2,
+                lw=0,
+            )
+            ax.axvline(thresholds[dtype], color=colour, lw=1.2)
+            ax.annotate(
+                f"{dtype} hides from {thresholds[dtype]:,.0f} tokens",
+                (thresholds[dtype], min(backward)),
+                xytext=(3, 3),
+                textcoords="offset points",
+                rotation=90,
+                ha="left",
+                va="bottom",
+                fontsize=8.5,
+                color=INK,
+            )
+        if marked_tokens is not None:
+            ax.axvline(marked_tokens, color=MUTED_INK, lw=1, ls=":")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ticks = [t for t in tokens_per_gpu if t == 2 ** round(math.log2(t))][::2]
+        ax.set_xticks(ticks, [f"{t:,.0f}" for t in ticks])
+        ax.minorticks_off()
+        ax.set_xlim(min(tokens_per_gpu), max(tokens_per_gpu))
+        ax.set_xlabel("tokens per GPU per step")
+        ax.set_ylabel("seconds per step")
+        ax.set_title(title + "; shaded: exposed, the GPUs wait", fontsize=11)
+        ax.legend(loc="upper left", fontsize=9)
     return fig

@@ -1,4 +1,5 @@
-"""Figures of chapter 3: how data parallelism cuts a batch, and what averaging gives."""
+"""Figures of chapter 3: how data parallelism cuts a batch, what averaging gives, and when
+DDP's gradient buckets are all-reduced."""
 
 from __future__ import annotations
 
@@ -6,8 +7,16 @@ from collections.abc import Sequence
 
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
+from matplotlib.patches import Patch
 
-from trainscale.figures.style import RANK_COLOURS, STYLE, BookFigure
+from trainscale.figures.style import (
+    MUTED_INK,
+    PHASE_COLOURS,
+    RANK_COLOURS,
+    STYLE,
+    BookFigure,
+    new_figure,
+)
 
 
 def _error_text(error: float) -> str:
@@ -70,4 +79,61 @@ def batch_split(sizes: Sequence[int], plain_error: float, weighted_error: float)
             va="bottom",
             fontsize=10,
         )
+    return fig
+
+
+def bucket_timeline(
+    labels: Sequence[str],
+    launched_ms: Sequence[float],
+    completed_ms: Sequence[float],
+    backward_ms: float,
+    title: str,
+) -> Figure:
+    """One backward pass under DDP: when each gradient bucket's all-reduce ran.
+
+    Bucket ``i`` (``labels[i]``, e.g. the blocks whose gradients it holds) was
+    launched at ``launched_ms[i]`` and completed at ``completed_ms[i]``, in ms
+    after backward started; ``backward()`` returned at ``backward_ms``. The top
+    lane is backward: computing until the last bucket's launch (its last
+    gradient), then waiting for the all-reduces still running. A figure of
+    measured times: show it with ``fig.measured()``.
+    """
+    if not len(labels) == len(launched_ms) == len(completed_ms) > 0:
+        raise ValueError(
+            "labels, launched_ms and completed_ms must be equally long and not empty, got"
+            f" {len(labels)}, {len(launched_ms)} and {len(completed_ms)}"
+        )
+    compute_end = max(launched_ms)
+    with plt.rc_context(STYLE):
+        fig, ax = new_figure((7.0, 1.6 + 0.4 * len(labels)))
+        ax.barh(0, compute_end, height=0.6, color=PHASE_COLOURS["backward"])
+        ax.barh(
+            0,
+            backward_ms - compute_end,
+            left=compute_end,
+            height=0.6,
+            color="white",
+            edgecolor=PHASE_COLOURS["backward"],
+            hatch="///",
+            linewidth=0.0,
+        )
+        for row, (start, stop) in enumerate(zip(launched_ms, completed_ms, strict=True), start=1):
+            ax.barh(row, stop - start, left=start, height=0.6, color=PHASE_COLOURS["all-reduce"])
+        ax.axvline(compute_end, color=MUTED_INK, linestyle="--", linewidth=0.8)
+        ax.set_yticks(range(len(labels) + 1), ["backward", *labels])
+        ax.set_ylim(len(labels) + 0.6, -0.6)
+        ax.set_xlim(0, max(backward_ms, *completed_ms) * 1.02)
+        ax.set_xlabel("time since backward started (ms)")
+        ax.set_title(title)
+        handles = [
+            Patch(color=PHASE_COLOURS["backward"], label="computing gradients"),
+            Patch(
+                facecolor="white",
+                edgecolor=PHASE_COLOURS["backward"],
+                hatch="///",
+                label="waiting for all-reduces",
+            ),
+            Patch(color=PHASE_COLOURS["all-reduce"], label="bucket's all-reduce"),
+        ]
+        fig.legend(handles=handles, loc="outside lower center", ncol=3)
     return fig

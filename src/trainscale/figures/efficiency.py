@@ -219,3 +219,55 @@ def loader_timeline(
         ax.set_title(title)
         fig.legend(handles=handles, loc="outside lower center", ncol=3)
     return fig
+
+
+def restated_utilisation(
+    labels: Sequence[str],
+    reported: Sequence[float],
+    restated: Sequence[float],
+    band: tuple[float, float],
+    title: str,
+) -> Figure:
+    """Published utilisations, one row each: as the source counts it and restated.
+
+    ``reported`` and ``restated`` are shares of peak (drawn in %), one per label: the
+    first as the source counted it (an outlined bar), the second in the book's
+    ``6N`` count (a filled bar inside it, labelled). ``band`` (low, high), a range
+    of shares, is shaded behind the rows.
+    """
+    if not len(labels) == len(reported) == len(restated) > 0:
+        raise ValueError("labels, reported and restated must be equally long and not empty")
+    rows = range(len(labels))
+    with plt.rc_context(STYLE):
+        fig, ax = new_figure((7.0, 1.4 + 0.3 * len(labels)))
+        ax.axvspan(100 * band[0], 100 * band[1], color=PALETTE["sky"], alpha=0.25, linewidth=0)
+        ax.barh(
+            rows,
+            [100 * r for r in reported],
+            height=0.7,
+            color="white",
+            edgecolor=PALETTE["grey"],
+            linewidth=1.0,
+        )
+        ax.barh(rows, [100 * r for r in restated], height=0.45, color=PALETTE["blue"])
+        for row, (shown, own) in enumerate(zip(restated, reported, strict=True)):
+            ax.annotate(
+                f"{shown:.1%}",
+                (100 * max(shown, own), row),
+                xytext=(4, 0),
+                textcoords="offset points",
+                va="center",
+                fontsize=8,
+            )
+        ax.set_yticks(list(rows), labels, fontsize=8)
+        ax.set_ylim(len(labels) - 0.5, -0.5)
+        ax.set_xlim(0, 100 * max(max(reported), max(restated)) * 1.15)
+        ax.set_xlabel("share of the GPUs' dense peak (%)")
+        ax.set_title(title)
+        handles = [
+            Patch(facecolor="white", edgecolor=PALETTE["grey"], label="as the source counts"),
+            Patch(color=PALETTE["blue"], label="in 6N, the book's count"),
+            Patch(color=PALETTE["sky"], alpha=0.25, label="training runs at 2K-8K tokens"),
+        ]
+        fig.legend(handles=handles, loc="outside lower center", ncol=3, fontsize=8)
+    return fig

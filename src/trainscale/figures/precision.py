@@ -1,4 +1,4 @@
-"""Figures of chapter 8: number formats, gradients against fp16's range, loss scaling."""
+"""Figures of chapter 8: number formats, gradients against fp16's range, loss scaling, fp8 casts."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from matplotlib.figure import Figure
 
 from trainscale.figures.style import PALETTE, STYLE, BookFigure, new_figure
 from trainscale.loss_scaling import StepRecord
-from trainscale.precision import FloatFormat
+from trainscale.precision import FloatFormat, ScaledCast
 
 FP16_ZERO_BELOW = 2.0**-25
 """fp16 rounds a magnitude to 0 up to here (half the smallest subnormal, ties to even)."""
@@ -30,7 +30,9 @@ def power_label(value: float) -> str:
     return f"{value:g}"
 
 
-def format_ranges(formats: Sequence[FloatFormat]) -> Figure:
+def format_ranges(
+    formats: Sequence[FloatFormat], title: str = "The range of each format: fp16's is narrow"
+) -> Figure:
     """The positive numbers each format can hold, on a logarithmic axis.
 
     One bar per format: lighter from the smallest subnormal number to the
@@ -69,7 +71,7 @@ def format_ranges(formats: Sequence[FloatFormat]) -> Figure:
         ax.set_ylim(len(formats) - 0.5, -0.5)
         ax.set_xlabel("magnitude (power of ten; the dotted line is 1.0)")
         ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"1e{v:.0f}"))
-        ax.set_title("The range of each format: fp16's is narrow")
+        ax.set_title(title)
         fig.legend(loc="outside lower center", ncol=2)
     return fig
 
@@ -178,4 +180,39 @@ def accumulation(traces: Mapping[str, Sequence[float]], update: float) -> Figure
         ax.set_ylabel("weight")
         ax.set_title("Small updates vanish in bf16; an fp32 master copy keeps them")
         ax.legend(loc="upper left")
+    return fig
+
+
+def scaled_cast_histogram(
+    values: torch.Tensor | np.ndarray, scale: float, fmt: FloatFormat, cast: ScaledCast
+) -> Figure:
+    """Histogram of ``|values| * scale`` against the range of ``fmt`` (log axis).
+
+    Shaded bands mark what the format rounds to 0 (below half its smallest subnormal
+    number), its subnormal range, and what it saturates (above its largest number).
+    ``cast`` (from :func:`trainscale.precision.scaled_cast`) gives the title's shares.
+    Zeros are left out; values beyond the axis are counted in its end bins.
+    """
+    magnitudes = np.abs(np.asarray(values, dtype=np.float64).ravel())
+    magnitudes = magnitudes[magnitudes > 0] * scale
+    zero = math.log10(fmt.smallest_subnormal / 2)
+    normal, top = math.log10(fmt.smallest_normal), math.log10(fmt.largest)
+    edges = np.arange(math.floor(zero) - 3.0, math.ceil(top) + 3.01, 0.25)
+    logs = np.clip(np.log10(magnitudes), edges[0] + 1e-9, edges[-1] - 1e-9)
+    counts = np.histogram(logs, bins=edges)[0] / max(magnitudes.size, 1) * 100
+    with plt.rc_context({**STYLE, "axes.grid.axis": "y"}):
+        fig, ax = new_figure((7.0, 3.4))
+        ax.axvspan(edges[0], zero, color=PALETTE["red"], alpha=0.15, lw=0, label="rounds to 0")
+        ax.axvspan(zero, normal, color=PALETTE["yellow"], alpha=0.25, lw=0, label="subnormal")
+        ax.axvspan(top, edges[-1], color=PALETTE["purple"], alpha=0.25, lw=0, label="saturates")
+        ax.stairs(counts, edges, fill=True, color=PALETTE["blue"], alpha=0.85, label="values")
+        ax.set_xlim(edges[0], edges[-1])
+        ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"1e{v:.0f}"))
+        ax.set_xlabel(f"|value| x scale (as stored in {fmt.name})")
+        ax.set_ylabel("% of values")
+        ax.set_title(
+            f"Scale {power_label(scale)}: {cast.underflowed:.1%} round to 0,"
+            f" {cast.saturated:.2%} saturate, error {cast.relative_error:.1%}"
+        )
+        fig.legend(loc="outside lower center", ncol=4)
     return fig

@@ -1,4 +1,5 @@
-"""Figures of chapter 5: model state per GPU at each ZeRO stage, and one FSDP step."""
+"""Figures of chapter 5: model state per GPU at each ZeRO stage, one FSDP step, the
+bytes a rank holds at each moment of it, and traffic under gradient accumulation."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from trainscale.figures.style import (
     STYLE,
     new_figure,
 )
-from trainscale.sharding import FsdpMoment
+from trainscale.sharding import FsdpMemory, FsdpMoment
 
 
 def zero_stage_bars(
@@ -196,4 +197,117 @@ def fsdp_timeline(
             ),
         ]
         fig.legend(handles=handles, loc="outside lower center", ncol=3, fontsize=8)
+    return fig
+
+
+_HELD = {  # what an FSDP rank holds, bottom to top, and its colour
+    "sharded weights": MEMORY_COLOURS["weights"],
+    "optimiser state": MEMORY_COLOURS["optimiser state"],
+    "gradient shards": MEMORY_COLOURS["gradients"],
+    "whole weights": PALETTE["sky"],
+    "whole gradients": PALETTE["yellow"],
+}
+
+
+def _held_parts(moment: FsdpMemory) -> dict[str, int]:
+    return {
+        "sharded weights": moment.sharded_weights,
+        "optimiser state": moment.optimizer_state,
+        "gradient shards": moment.gradient_shards,
+        "whole weights": moment.whole_weights,
+        "whole gradients": moment.whole_gradients,
+    }
+
+
+def fsdp_memory_timeline(
+    panels: Mapping[str, tuple[Sequence[FsdpMemory], Sequence[int]]],
+    layer_names: Sequence[str],
+    title: str,
+) -> Figure:
+    """The bytes one rank holds at each moment of an FSDP step, one panel per setup.
+
+    ``panels`` maps a panel's title to the model's moments
+    (:func:`trainscale.sharding.fsdp_memory_moments`) and the totals measured at the
+    same moments. Each moment is a stacked bar of the model's parts, in MB (10**6
+    bytes): the sharded state below, the whole units above; a black dot marks what
+    was measured, and a line the model's peak.
+    """
+    if not panels:
+        raise ValueError("panels must hold at least one setup")
+    with plt.rc_context({**STYLE, "axes.grid.axis": "y"}):
+        fig = new_figure((7.0, 2.0 + 1.9 * len(panels)))[0]
+        fig.clear()
+        axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
+        top = max(m.total for moments, _ in panels.values() for m in moments) / 1e6
+        for ax, (name, (moments, measured)) in zip(axes, panels.items(), strict=True):
+            if len(measured) != len(moments):
+                raise ValueError(
+                    f"measured must have one total per moment ({len(moments)}), got {len(measured)}"
+                )
+            for col, moment in enumerate(moments):
+                bottom = 0.0
+                for part, size in _held_parts(moment).items():
+                    ax.bar(col, size / 1e6, bottom=bottom, width=0.7, color=_HELD[part])
+                    bottom += size / 1e6
+            ax.plot(range(len(moments)), [b / 1e6 for b in measured], "o", color=INK, ms=4)
+            peak = max(m.total for m in moments) / 1e6
+            ax.axhline(peak, color=PALETTE["red"], lw=1, ls="--")
+            ax.annotate(
+                f"peak {peak:.2f} MB",
+                (len(moments) - 0.5, peak),
+                xytext=(0, 3),
+                textcoords="offset points",
+                ha="right",
+                va="bottom",
+                color=PALETTE["red"],
+                fontsize=8,
+            )
+            ax.set_ylim(0, top * 1.2)
+            ax.set_ylabel("MB held")
+            ax.set_title(name, fontsize=10, loc="left")
+        labels = [
+            "step" if m.phase == "optimiser" else f"{m.phase[0].upper()} {layer_names[m.unit]}"
+            for m in next(iter(panels.values()))[0]
+        ]
+        axes[-1].set_xticks(range(len(labels)), labels, rotation=45, ha="right")
+        fig.suptitle(title, fontweight="bold")
+        handles = [Rectangle((0, 0), 1, 1, facecolor=c, label=part) for part, c in _HELD.items()]
+        handles.append(plt.Line2D([], [], marker="o", color=INK, ls="none", ms=4, label="measured"))
+        fig.legend(handles=handles, loc="outside lower center", ncol=3, fontsize=8)
+    return fig
+
+
+def zero_accumulation_traffic(
+    micro_batches: Sequence[int],
+    formula: Mapping[str, Sequence[float]],
+    measured: Mapping[str, Sequence[float]],
+    title: str,
+) -> Figure:
+    """Bytes sent per GPU per step against the number of micro-batches, one line per setup.
+
+    ``formula`` maps a setup's name to the formula's bytes at each of
+    ``micro_batches``, ``measured`` to the bytes counted on real collectives (drawn as
+    markers; a setup may be missing). Both are drawn in multiples of the first setup's
+    formula at one micro-batch (DDP, if it comes first).
+    """
+    ks = list(micro_batches)
+    if not formula or not ks:
+        raise ValueError("formula and micro_batches must not be empty")
+    unit = next(iter(formula.values()))[0]
+    if unit <= 0:
+        raise ValueError(f"the first setup must send bytes at one micro-batch, got {unit}")
+    colours = [PALETTE[c] for c in ("green", "blue", "orange", "purple", "red", "grey")]
+    with plt.rc_context({**STYLE, "axes.grid.axis": "y"}):
+        fig, ax = new_figure((7.0, 3.6))
+        for colour, (name, values) in zip(colours, formula.items(), strict=False):
+            ax.plot(ks, [v / unit for v in values], color=colour, lw=1.6, label=name)
+            if name in measured:
+                ax.plot(ks, [v / unit for v in measured[name]], "o", color=colour, ms=6)
+        ax.plot([], [], "o", color=INK, label="measured on gloo")
+        ax.set_xticks(ks)
+        ax.set_xlabel("micro-batches per step (k)")
+        ax.set_ylabel("bytes per step / DDP's")
+        ax.set_ylim(0, None)
+        ax.set_title(title)
+        fig.legend(loc="outside right center", fontsize=8)
     return fig

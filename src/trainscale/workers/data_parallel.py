@@ -4,7 +4,9 @@
 ``torch.distributed`` job: PyTorch's ``DistributedDataParallel`` (DDP) on a
 slice of the batch, gradient accumulation with ``no_sync``, the cases that break
 the equivalence with one device (batch norm, unequal slices), the memory each
-rank holds, and the order in which DDP's gradient buckets are all-reduced. It
+rank holds (DDP's gradient buckets included, with and without
+``gradient_as_bucket_view``), and when DDP's buckets are all-reduced during
+backward: the order of their launches and when each completes. It
 returns plain results; the chapter compares them with the one-process answers
 of :mod:`trainscale.parallel`.
 
@@ -251,65 +253,156 @@ def check_accumulation(
     return {"gradient": _gradients(ddp), "all_reduces": counter["all_reduces"]}
 
 
-def check_memory(rank: int, world_size: int) -> dict[str, object]:
-    """DDP on the reference model (``memory.mlp_stack``) after one AdamW step:
-    the parameters and the bytes of each part of the model state this rank holds."""
+def _storage_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors``: views of one buffer count once."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+def check_memory(
+    rank: int, world_size: int, gradient_as_bucket_view: bool = False, steps: int = 2
+) -> dict[str, object]:
+    """DDP on the reference model (``memory.mlp_stack``) after ``steps`` AdamW steps:
+    the parameters, and the bytes of each part of the state this rank holds.
+
+    DDP's reducer keeps its own flat buffers, one per gradient bucket, which it
+    all-reduces; a communication hook sees each one as ``bucket.buffer()``. By
+    default ``.grad`` is a separate tensor whose values are copied into and out
+    of the buffers, so the gradients are held twice. With
+    ``gradient_as_bucket_view=True`` each ``.grad`` *is* a view into a buffer
+    (from the second iteration on, once DDP has rebuilt its buckets). Returns the
+    bytes of each part (``"DDP buckets"``: the buffers of the last backward),
+    how many gradients live inside a bucket buffer, and the bytes of all the
+    distinct storages behind them (shared storage counted once): what the
+    rank really holds.
+    """
+    _checks.boolean("gradient_as_bucket_view", gradient_as_bucket_view)
+    n_steps = _checks.count("steps", steps, minimum=1)
     dev = device()
     model = mlp_stack().to(dev)
-    ddp = DDP(model)
+    ddp = DDP(model, gradient_as_bucket_view=gradient_as_bucket_view)
+    buffers: list[torch.Tensor] = []
+
+    def keeping_hook(state: list, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        state.append(bucket.buffer())
+        return default_hooks.allreduce_hook(None, bucket)  # type: ignore[arg-type]
+
+    ddp.register_comm_hook(buffers, keeping_hook)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     x = torch.randn(64, 256, generator=torch.Generator().manual_seed(rank)).to(dev)
-    ddp(x).pow(2).mean().backward()
-    optimizer.step()
-    states = [optimizer.state[p] for p in model.parameters()]
+    for _ in range(n_steps):
+        buffers.clear()  # keep only the last backward's buckets
+        optimizer.zero_grad()
+        ddp(x).pow(2).mean().backward()
+        optimizer.step()
+    params = list(model.parameters())
+    grads = [p.grad for p in params]
+    states = [optimizer.state[p] for p in params]
+    adam = [s[key] for s in states for key in ("exp_avg", "exp_avg_sq")]
+    bucket_storages = {b.untyped_storage().data_ptr() for b in buffers}
     return {
-        "parameters": sum(p.numel() for p in model.parameters()),
+        "parameters": sum(p.numel() for p in params),
         "bytes": {
-            "weights": sum(p.nbytes for p in model.parameters()),
-            "gradients": sum(p.grad.nbytes for p in model.parameters()),
+            "weights": sum(p.nbytes for p in params),
+            "gradients": sum(g.nbytes for g in grads),
             "Adam momentum": sum(s["exp_avg"].nbytes for s in states),
             "Adam variance": sum(s["exp_avg_sq"].nbytes for s in states),
+            "DDP buckets": sum(b.nbytes for b in buffers),
         },
+        "buckets": len(buffers),
+        "gradients inside a bucket": sum(
+            g.untyped_storage().data_ptr() in bucket_storages for g in grads
+        ),
+        "gradient tensors": len(grads),
+        "distinct bytes": _storage_bytes(params + grads + adam + buffers),
     }
+
+
+def _blocks(names: dict, bucket: dist.GradBucket) -> list[int]:
+    """The reference model's blocks whose gradients ``bucket`` holds."""
+    return sorted({int(names[p].split(".")[0]) for p in bucket.parameters()})
 
 
 def check_buckets(
     rank: int, world_size: int, iterations: int = 2, bucket_cap_mb: float = 4
 ) -> list[dict[str, object]]:
-    """When DDP launches each gradient bucket's all-reduce during backward.
+    """When DDP launches each gradient bucket's all-reduce during backward, and when
+    each one completes.
 
     DDP on the reference model (``memory.mlp_stack``, 16.8 MB of fp32 weights) with
     buckets of ``bucket_cap_mb`` MiB, so that this small model fills several
-    (the default, 25 MiB, would not). For each of ``iterations`` backward passes,
-    returns the buckets in the order their all-reduces were launched (bucket
-    index, the model's blocks whose gradients it holds, ms after backward
-    started) and when backward returned (ms).
+    (the default, 25 MiB, would not). A communication hook wraps DDP's default
+    all-reduce: it notes the launch, and chains a callback onto the all-reduce's
+    future (``fut.then``) that notes the completion. DDP waits for the future the
+    hook returns, the chained one, before ``backward()`` returns, so every
+    completion is noted by then. For each of ``iterations`` backward passes,
+    returns the buckets in launch order (bucket index, the model's blocks whose
+    gradients it holds, launched and completed in ms after backward started) and
+    when backward returned (ms).
+
+    On gloo a future completes when the all-reduce has finished. With NCCL it
+    completes once the work is queued on the GPU (the GPU still runs it later),
+    so there the completion times say little: read a profiler trace instead.
     """
+    _checks.count("iterations", iterations, minimum=1)
+    _checks.positive("bucket_cap_mb", bucket_cap_mb)
     dev = device()
     model = mlp_stack().to(dev)
     names = {p: name for name, p in model.named_parameters()}
     ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
-    log: dict = {"launched": [], "start": 0.0}
+    log: dict = {"launched": {}, "completed": {}, "start": 0.0}
 
-    def recording_hook(state: dict, bucket: dist.GradBucket):
-        blocks = sorted({int(names[p].split(".")[0]) for p in bucket.parameters()})
-        elapsed = (time.perf_counter() - state["start"]) * 1e3
-        state["launched"].append((bucket.index(), blocks, elapsed))
-        return default_hooks.allreduce_hook(None, bucket)  # type: ignore[arg-type]
+    def elapsed_ms(state: dict) -> float:
+        return (time.perf_counter() - state["start"]) * 1e3
 
-    ddp.register_comm_hook(log, recording_hook)
+    def timing_hook(state: dict, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        index = bucket.index()
+        state["launched"][index] = (_blocks(names, bucket), elapsed_ms(state))
+        future = default_hooks.allreduce_hook(None, bucket)  # type: ignore[arg-type]
+
+        def completed(done: torch.futures.Future) -> torch.Tensor:
+            state["completed"][index] = elapsed_ms(state)  # runs on gloo's thread
+            return done.value()
+
+        return future.then(completed)
+
+    ddp.register_comm_hook(log, timing_hook)
     x = torch.randn(64, 256, generator=torch.Generator().manual_seed(rank)).to(dev)
     passes = []
     for _ in range(iterations):
         loss = ddp(x).pow(2).mean()
-        log["launched"] = []
+        log["launched"], log["completed"] = {}, {}
         log["start"] = time.perf_counter()
         loss.backward()
         _synchronise(dev)
-        backward_ms = (time.perf_counter() - log["start"]) * 1e3
-        passes.append({"buckets": log["launched"], "backward_ms": backward_ms})
+        backward_ms = elapsed_ms(log)
+        buckets = [
+            (index, blocks, launched, log["completed"][index])
+            for index, (blocks, launched) in log["launched"].items()  # in launch order
+        ]
+        passes.append({"buckets": buckets, "backward_ms": backward_ms})
         ddp.zero_grad()
     return passes
+
+
+def communication_hidden_ms(buckets: list, compute_end_ms: float) -> float:
+    """How long some all-reduce was running before ``compute_end_ms`` (ms).
+
+    ``buckets`` holds ``(index, blocks, launched_ms, completed_ms)`` records as
+    :func:`check_buckets` returns them. The union of the intervals
+    ``[launched, completed]``, clipped at ``compute_end_ms`` (when backward
+    computed its last gradient): communication that ran while backward was still
+    computing, hidden under it.
+    """
+    end = _checks.non_negative("compute_end_ms", compute_end_ms)
+    hidden, reached = 0.0, 0.0
+    for start, stop in sorted((launched, done) for *_, launched, done in buckets):
+        if stop < start:
+            raise ValueError(f"buckets must complete after their launch, got {start} > {stop}")
+        lo, hi = max(start, reached), min(stop, end)
+        hidden += max(0.0, hi - lo)
+        reached = max(reached, stop)
+    return hidden
 
 
 def worker(rank: int, world_size: int, batch: int = 32, unequal_batch: int = 10) -> dict:
@@ -337,6 +430,9 @@ def worker(rank: int, world_size: int, batch: int = 32, unequal_batch: int = 10)
         ),
     }
     results["memory"] = check_memory(rank, world_size)
+    results["memory, gradients as bucket views"] = check_memory(
+        rank, world_size, gradient_as_bucket_view=True
+    )
     results["buckets"] = check_buckets(rank, world_size)
     return results
 

@@ -14,6 +14,10 @@ takes a fixed time, ``forward_s`` in forward and ``backward_s`` in backward,
 by sleeping (a sleeping process leaves the CPU to the others). It also records
 when each of its passes ran: that record is the stage's timeline.
 
+A :class:`SavedTensorMeter` counts, with ``torch.autograd.graph.saved_tensors_hooks``,
+the bytes autograd keeps for backward on each stage (saved minus released), so the
+activations a stage holds are measured, not inferred from the order of its passes.
+
 Start it on a GPU node with ``torchrun --nproc-per-node=4 -m trainscale.workers.pipeline``.
 """
 
@@ -21,7 +25,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from types import TracebackType
 
 import torch
 import torch.distributed as dist
@@ -36,6 +41,93 @@ WIDTH = 32
 """Features of the reference model used here (small: the real work is simulated)."""
 BLOCKS_PER_STAGE = 2
 EXAMPLES_PER_MICRO_BATCH = 2
+FLOAT32_BYTES = 4
+HIDDEN_PER_WIDTH = 4
+"""Each block widens to ``4 * WIDTH`` features (:func:`trainscale.memory.mlp_stack`)."""
+
+
+def saved_bytes_per_micro_batch(stage: int, stages: int) -> int:
+    """Bytes autograd saves on stage ``stage`` of ``stages`` for one micro-batch.
+
+    Per block of the reference model, for ``e`` examples of width ``w`` in float32:
+    the first ``Linear`` saves its input (``e w``), the first GELU its input
+    (``e 4w``), the second ``Linear`` its input (``e 4w``) and the second GELU its
+    input (``e w``): ``10 e w`` values. Weights are not activations and are not
+    counted. The last stage also computes the loss, whose backward keeps the
+    stage's output and the target (``2 e w``). With ``e = 2``, ``w = 32``: 2,560
+    bytes per block, 5,120 per stage of two blocks, 5,632 on the last stage.
+    """
+    k = _checks.count("stages", stages, minimum=1)
+    s = _checks.count("stage", stage)
+    if s >= k:
+        raise ValueError(f"stage must be between 0 and {k - 1}, got {stage}")
+    values_per_block = 2 * (1 + HIDDEN_PER_WIDTH) * EXAMPLES_PER_MICRO_BATCH * WIDTH
+    loss_values = 2 * EXAMPLES_PER_MICRO_BATCH * WIDTH if s == k - 1 else 0
+    return (BLOCKS_PER_STAGE * values_per_block + loss_values) * FLOAT32_BYTES
+
+
+class _Held:
+    """A tensor saved for backward; tells its meter when autograd releases it."""
+
+    __slots__ = ("meter", "nbytes", "tensor")
+
+    def __init__(self, tensor: torch.Tensor, meter: SavedTensorMeter) -> None:
+        self.tensor = tensor
+        self.meter = meter
+        self.nbytes = tensor.numel() * tensor.element_size()
+        meter._change(self.nbytes)
+
+    def __del__(self) -> None:
+        self.meter._change(-self.nbytes)
+
+
+class SavedTensorMeter:
+    """Bytes autograd holds for backward while the meter is entered: saved minus released.
+
+    Inside ``with meter:`` every tensor an operation saves for its backward is
+    counted at its own size (``numel * element_size``, a view at its own size)
+    until autograd releases it, after that tensor's backward has run. Tensors
+    sharing storage with one of ``exclude`` (the weights: state, not activations)
+    and shape-only ``meta`` tensors are not counted. ``held`` is the count now,
+    ``peak`` the largest since the last :meth:`reset`, both in bytes.
+    """
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
+        self._excluded = {t.untyped_storage().data_ptr() for t in exclude}
+        self.held = 0
+        self.peak = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _change(self, nbytes: int) -> None:
+        self.held += nbytes
+        self.peak = max(self.peak, self.held)
+
+    def _pack(self, tensor: torch.Tensor) -> object:
+        if tensor.device.type == "meta":
+            return tensor
+        if tensor.untyped_storage().data_ptr() in self._excluded:
+            return tensor
+        return _Held(tensor, self)
+
+    @staticmethod
+    def _unpack(packed: object) -> torch.Tensor:
+        return packed.tensor if isinstance(packed, _Held) else packed  # type: ignore[return-value]
+
+    def reset(self) -> None:
+        """Start a new peak from what is held now."""
+        self.peak = self.held
+
+    def __enter__(self) -> SavedTensorMeter:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
+        self._hooks.__exit__(kind, error, trace)
 
 
 class _Sleep(torch.autograd.Function):
@@ -151,7 +243,10 @@ def worker(
     between neighbours), then the timed steps. Returns one dict per
     configuration: ``schedule``, ``micro_batches``, ``seed``, ``steps`` (for each timed
     step, this stage's passes as ``(kind, micro_batch, start, end)`` in seconds
-    from a common start after a barrier), ``losses`` (each micro-batch's loss,
+    from a common start after a barrier), ``peak_saved_bytes`` and ``left_saved_bytes``
+    (for each timed step, the most bytes autograd held for backward on this stage
+    at one time, and what it still held when the step ended, measured with a
+    :class:`SavedTensorMeter`), ``losses`` (each micro-batch's loss,
     on the last stage only) and ``grads`` (this stage's gradients, named as in
     :func:`reference`). No optimiser step runs, so every step computes the same.
     """
@@ -165,6 +260,7 @@ def worker(
     model = reference_model(world_size, seed)
     module = stage_module(model, rank, world_size, forward_s, backward_s).to(dev)
     clock = module[-1]
+    meter = SavedTensorMeter(exclude=module.parameters())
     offset = BLOCKS_PER_STAGE * rank
     results = []
     for name in schedules:
@@ -174,7 +270,7 @@ def worker(
             schedule = _schedule(name)(
                 stage, n_microbatches=micro_batches, loss_fn=nn.functional.mse_loss
             )
-            steps = []
+            steps, peaks, left = [], [], []
             for step in range(1 + timed):  # the first step is the warm-up
                 module.zero_grad(set_to_none=True)
                 clock.clear()
@@ -183,9 +279,13 @@ def worker(
                 last = {"target": y, "losses": losses} if rank == world_size - 1 else {}
                 dist.barrier()
                 t0 = time.perf_counter()
-                schedule.step(*inputs, **last)
+                meter.reset()
+                with meter:
+                    schedule.step(*inputs, **last)
                 if step:
                     steps.append(_numbered(clock.events, t0))
+                    peaks.append(meter.peak)
+                    left.append(meter.held)
             grads = {
                 f"{offset + int(n.split('.')[0])}.{n.split('.', 1)[1]}": p.grad.detach().cpu()
                 for n, p in module.named_parameters()
@@ -196,6 +296,8 @@ def worker(
                     "micro_batches": micro_batches,
                     "seed": seed,
                     "steps": steps,
+                    "peak_saved_bytes": peaks,
+                    "left_saved_bytes": left,
                     "losses": [value.detach().item() for value in losses],
                     "grads": grads,
                 }

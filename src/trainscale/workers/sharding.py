@@ -13,7 +13,12 @@ of the batch, and returns what the chapter checks against its formulas:
 * which layers were whole (unsharded) when each layer's forward ran;
 * on rank 0, the full gradient (to compare with one process on the whole batch)
   and how far the sharded Adam update is from one device's update;
-* the same step with bf16 mixed precision: the dtypes FSDP gathers and keeps.
+* the same step with bf16 mixed precision: the dtypes FSDP gathers and keeps;
+* the bytes this rank holds at every moment of a later step (:func:`memory_step`),
+  with FSDP2's default prefetching and with explicit forward prefetching.
+
+:func:`accumulation_worker` runs one step of ``k`` micro-batches under DDP and under
+FSDP2 set up as ZeRO-2 and ZeRO-3, and counts the bytes of every collective issued.
 
 The same file runs on a GPU node, one process per GPU, with NCCL::
 
@@ -22,14 +27,18 @@ The same file runs on a GPU node, one process per GPU, with NCCL::
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 
 from trainscale import _checks
 from trainscale.distributed import device, torchrun_main
@@ -127,9 +136,13 @@ class _CountingReduceScatter:
         )
 
 
-def _shard(model: nn.Sequential, mesh, log: _Log, mp_policy=None) -> None:
+def _shard(
+    model: nn.Sequential, mesh, log: _Log, mp_policy=None, reshard_after_forward: bool = True
+) -> None:
     """FSDP2 the usual way: each layer its own unit, then the root; every unit logged."""
-    extra = {} if mp_policy is None else {"mp_policy": mp_policy}
+    extra: dict = {"reshard_after_forward": reshard_after_forward}
+    if mp_policy is not None:
+        extra["mp_policy"] = mp_policy
     for i, layer in enumerate(model):
         fully_shard(layer, mesh=mesh, **extra)
         layer.set_custom_all_gather(_CountingAllGather(log, i))
@@ -151,16 +164,21 @@ def worker(
     head: int = 10,
     batch: int = 16,
     seed: int = 0,
+    micro_batches: Sequence[int] = (1, 2, 4),
 ) -> dict:
     """One FSDP2 training step with Adam on this rank's slice of the batch; see the module.
 
     Every rank builds the same model from ``seed`` and takes its slice of the
     same batch (``batch`` must divide by ``world_size``, so FSDP's average of
-    the slices' gradients is the full batch's gradient).
+    the slices' gradients is the full batch's gradient). ``"accumulation"`` holds
+    :func:`accumulation_traffic` for ``micro_batches``, on the same model with the
+    head rounded up to a multiple of ``world_size`` outputs (no padding).
     """
     size = _checks.count("batch", batch, minimum=1)
     if size % world_size:
         raise ValueError(f"batch must be divisible by world_size = {world_size}, got {batch}")
+    _check_micro_batches(size, world_size, micro_batches)
+    even_head = world_size * -(-_checks.count("head", head, minimum=1) // world_size)
     dev = device()
     mesh = init_device_mesh(dev.type, (world_size,))
     x, y = step_data(size, width, head, seed)
@@ -169,6 +187,7 @@ def worker(
 
     model = sharded_model(width, blocks, head, seed).to(dev)
     reference = copy.deepcopy(model)  # one device's copy, for the update check
+    reference_copy = copy.deepcopy(model)  # the same weights, for the memory steps
     log = _Log(model)
     _shard(model, mesh, log)
     params = list(model.parameters())
@@ -207,6 +226,13 @@ def worker(
         result["gradients"] = gradients
 
     result["mixed precision"] = _mixed_precision_step(mesh, x, y, width, blocks, head, seed)
+    result["accumulation"] = accumulation_traffic(
+        mesh, rank, world_size, micro_batches, width, blocks, even_head, size, seed
+    )
+    result["memory"] = {
+        ahead: memory_step(mesh, x, y, copy.deepcopy(reference_copy), forward_prefetch=ahead)
+        for ahead in (0, 1)
+    }
     print(
         f"holds {result['parameters held']:,} parameters of "
         f"{sum(g.numel() for g in gradients.values()):,}"
@@ -227,6 +253,241 @@ def _mixed_precision_step(mesh, x, y, width, blocks, head, seed) -> dict:
         "sharded weight dtypes": sorted({str(p.dtype).removeprefix("torch.") for p in params}),
         "gradient dtypes": sorted({str(p.grad.dtype).removeprefix("torch.") for p in params}),
     }
+
+
+# --- What a rank holds, moment by moment ------------------------------------------------
+
+
+def _param_groups(model: nn.Sequential) -> list:
+    """FSDP2's parameter group of each unit (its private state, read only)."""
+    return [layer._get_fsdp_state()._fsdp_param_groups[0] for layer in model]
+
+
+def _held_bytes(groups: list, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes of every tensor FSDP2 and Adam hold now, by what they are.
+
+    Each storage is counted once, at its allocated size (``untyped_storage().nbytes()``:
+    padding included, 0 once FSDP has freed it): the sharded weights, the gradient
+    shards, Adam's two moments; the unsharded weights of each parameter and the flat
+    all-gather outputs FSDP still holds (a prefetched unit's, and the last forward
+    one's); the unsharded gradients and the reduce-scatter inputs FSDP still holds.
+    """
+    seen: set[int] = set()
+
+    def total(tensors) -> int:
+        count = 0
+        for t in tensors:
+            if t is None:
+                continue
+            local = t.to_local() if isinstance(t, DTensor) else t
+            storage = local.untyped_storage()
+            if storage.nbytes() and storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                count += storage.nbytes()
+        return count
+
+    params = [p for group in groups for p in group.fsdp_params]
+    context = groups[0].comm_ctx
+    pending = [g._all_gather_result for g in groups if g._all_gather_result is not None]
+    if context.all_gather_state is not None:
+        pending.append(context.all_gather_state.all_gather_result)
+    unsharded = [getattr(p, "_unsharded_param", None) for p in params]
+    with torch.no_grad():
+        return {
+            "sharded weights": total(p.sharded_param for p in params),
+            "gradient shards": total(p.sharded_param.grad for p in params),
+            "optimizer state": total(
+                optimizer.state[p.sharded_param][key]
+                for p in params
+                if p.sharded_param in optimizer.state
+                for key in ("exp_avg", "exp_avg_sq")
+            ),
+            "whole weights": total(
+                [t for p in params for t in getattr(p, "all_gather_outputs", [])]
+                + [result.all_gather_output for result in pending]
+            ),
+            "whole gradients": total(
+                [u.grad for u in unsharded if u is not None]
+                + [state.reduce_scatter_input for state in context.reduce_scatter_states]
+            ),
+        }
+
+
+def _watch_post_backward(group, record) -> None:
+    """Call ``record()`` when the unit's gradients are complete, before FSDP reduces them."""
+    original = group.post_backward
+
+    def post_backward(*args):
+        record()
+        return original(*args)
+
+    group.post_backward = post_backward
+
+
+def memory_step(
+    mesh, x: torch.Tensor, y: torch.Tensor, model: nn.Sequential, forward_prefetch: int = 0
+) -> dict:
+    """The bytes this rank holds at every moment of an FSDP2 training step of ``model``.
+
+    ``model`` (unsharded, e.g. a copy of :func:`sharded_model`) is sharded as the
+    worker shards it. One step with Adam first (so that Adam's state exists),
+    ``zero_grad()``, then the measured step: the bytes of :func:`_held_bytes` during
+    each unit's forward (after FSDP's pre-forward), at the end of each unit's backward
+    (its gradients complete, before FSDP's post-backward reduces them) and before the
+    optimiser step. With ``forward_prefetch`` > 0 each unit prefetches the next ones
+    explicitly (``set_modules_to_forward_prefetch``). Returns ``"moments"`` (one dict
+    per moment, with ``"phase"`` and ``"unit"``) and the ``"collectives"`` of the
+    measured step.
+    """
+    ahead = _checks.count("forward_prefetch", forward_prefetch)
+    log = _Log(model)
+    _shard(model, mesh, log)
+    units = list(model)
+    for i, unit in enumerate(units[:-1]):
+        if ahead:
+            unit.set_modules_to_forward_prefetch(units[i + 1 : i + 1 + ahead])
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    loss_fn(model(x), y).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    log.collectives.clear()
+
+    groups = _param_groups(model)
+    moments: list[dict] = []
+
+    def record(phase: str, unit: int | None) -> None:
+        moments.append({"phase": phase, "unit": unit, **_held_bytes(groups, optimizer)})
+
+    for i, (unit, group) in enumerate(zip(units, groups, strict=True)):
+        unit.register_forward_pre_hook(lambda *_, i=i: record("forward", i))
+        _watch_post_backward(group, lambda i=i: record("backward", i))
+    loss_fn(model(x), y).backward()
+    record("optimiser", None)
+    optimizer.step()
+    return {"moments": moments, "collectives": log.collectives}
+
+
+# --- Gradient accumulation: what each setup sends per step -----------------------------
+
+ACCUMULATION_SETUPS = (
+    "DDP, no_sync",
+    "ZeRO-2",
+    "ZeRO-3",
+    "ZeRO-3, no gradient sync",
+    "ZeRO-3, bf16, fp32 reduce",
+    "ZeRO-3, bf16, bf16 reduce",
+)
+"""The setups :func:`accumulation_worker` runs, each one step of ``k`` micro-batches:
+
+* ``DDP, no_sync``: ``DistributedDataParallel``, ``no_sync()`` on all but the last;
+* ``ZeRO-2``: FSDP2 with ``reshard_after_forward=False`` and
+  ``set_reshard_after_backward(False)`` on all but the last micro-batch: the weights
+  stay whole through the step, the gradients are reduce-scattered every micro-batch;
+* ``ZeRO-3``: FSDP2's defaults;
+* ``ZeRO-3, no gradient sync``: ``set_requires_gradient_sync(False)`` on all but the
+  last micro-batch: whole gradients accumulate, one reduce-scatter per step;
+* ``ZeRO-3, bf16, ...``: ``MixedPrecisionPolicy(param_dtype=bfloat16)`` with
+  ``reduce_dtype`` fp32 or left to bf16; run for the first count of micro-batches
+  only (the reduce dtype's factor does not depend on it)."""
+
+
+def _counting_all_reduce(log: list, bucket):
+    """DDP's all-reduce of a gradient bucket, logged (a DDP communication hook)."""
+    log.append({"kind": "all-reduce", "bytes": bucket.buffer().nbytes})
+    return default_hooks.allreduce_hook(None, bucket)
+
+
+def _accumulated_step(setup: str, mesh, x, y, micro_batches: int, model: nn.Sequential) -> list:
+    """One step of ``micro_batches`` micro-batches under ``setup``; the collectives issued."""
+    k = micro_batches
+    if setup.startswith("DDP"):
+        ddp = DistributedDataParallel(model)
+        log: list = []
+        ddp.register_comm_hook(log, _counting_all_reduce)
+        for m, (xm, ym) in enumerate(zip(x.chunk(k), y.chunk(k), strict=True)):
+            with ddp.no_sync() if m < k - 1 else contextlib.nullcontext():
+                (loss_fn(ddp(xm), ym) / k).backward()
+        return log
+    fsdp_log = _Log(model)
+    policy = None
+    if "bf16" in setup:
+        reduce = torch.float32 if "fp32 reduce" in setup else None
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce)
+    _shard(model, mesh, fsdp_log, policy, reshard_after_forward=setup != "ZeRO-2")
+    for m, (xm, ym) in enumerate(zip(x.chunk(k), y.chunk(k), strict=True)):
+        last = m == k - 1
+        if setup == "ZeRO-2":
+            model.set_reshard_after_backward(last)
+        if setup == "ZeRO-3, no gradient sync":
+            model.set_requires_gradient_sync(last)
+        (loss_fn(model(xm).float(), ym) / k).backward()
+    return [{"kind": c["kind"], "bytes": c["bytes"]} for c in fsdp_log.collectives]
+
+
+def _check_micro_batches(
+    batch: int, world_size: int, micro_batches: Sequence[int]
+) -> tuple[int, list[int]]:
+    """``batch`` and the ``micro_batches`` counts, checked: each rank's slice must split
+    into every count of micro-batches."""
+    size = _checks.count("batch", batch, minimum=1)
+    if isinstance(micro_batches, str | bytes) or not isinstance(micro_batches, Sequence):
+        raise ValueError(f"micro_batches must be a sequence of counts, got {micro_batches!r}")
+    ks = [_checks.count("micro_batches", k, minimum=1) for k in micro_batches]
+    for k in ks:
+        if size % (world_size * k):
+            raise ValueError(
+                f"batch must be divisible by world_size x micro_batches = {world_size * k}, "
+                f"got {batch}"
+            )
+    return size, ks
+
+
+def accumulation_traffic(
+    mesh,
+    rank: int,
+    world_size: int,
+    micro_batches: Sequence[int] = (1, 2, 4),
+    width: int = 256,
+    blocks: int = 4,
+    head: int = 12,
+    batch: int = 16,
+    seed: int = 0,
+) -> dict[str, dict[int, dict[str, int]]]:
+    """Bytes of the collectives of one step, per setup of :data:`ACCUMULATION_SETUPS`
+    and per number of micro-batches ``k``: ``{setup: {k: {kind: bytes}}}`` (the bf16
+    setups for the first ``k`` only).
+
+    ``bytes`` is the size of the whole tensor each collective works on, summed per
+    kind: an all-reduce's bucket, an all-gather's output, a reduce-scatter's input.
+    Each rank splits its slice of ``batch`` examples into ``k`` micro-batches (it must
+    divide by ``world_size * k``). A ``head`` that divides by ``world_size`` (12 on 4
+    ranks) leaves no tensor padded.
+    """
+    size, ks = _check_micro_batches(batch, world_size, micro_batches)
+    dev = device()
+    x, y = step_data(size, width, head, seed)
+    mine = slice(rank * size // world_size, (rank + 1) * size // world_size)
+    x, y = x[mine].to(dev), y[mine].to(dev)
+    base = sharded_model(width, blocks, head, seed).to(dev)
+    traffic: dict[str, dict[int, dict[str, int]]] = {}
+    for setup in ACCUMULATION_SETUPS:
+        traffic[setup] = {}
+        for k in ks[:1] if "bf16" in setup else ks:
+            totals: dict[str, int] = {}
+            for c in _accumulated_step(setup, mesh, x, y, k, copy.deepcopy(base)):
+                totals[c["kind"]] = totals.get(c["kind"], 0) + c["bytes"]
+            traffic[setup][k] = totals
+    return traffic
+
+
+def accumulation_worker(
+    rank: int, world_size: int, micro_batches: Sequence[int] = (1, 2, 4), head: int = 12
+) -> dict[str, dict[int, dict[str, int]]]:
+    """:func:`accumulation_traffic` on its own, as a worker (the chapter's model, a head
+    of ``head`` outputs, a batch of ``4 * world_size * max(micro_batches)``)."""
+    batch = 4 * world_size * max(_check_micro_batches(1, 1, micro_batches)[1])
+    mesh = init_device_mesh(device().type, (world_size,))
+    return accumulation_traffic(mesh, rank, world_size, micro_batches, head=head, batch=batch)
 
 
 def main(rank: int, world_size: int) -> None:
