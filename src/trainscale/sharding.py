@@ -29,20 +29,21 @@ from dataclasses import dataclass
 
 from trainscale import _checks
 from trainscale.collectives import ring_factor
-from trainscale.memory import BYTES_PER_PARAM, SHARDED_FROM_STAGE
+from trainscale.memory import (
+    BYTES_PER_PARAM,
+    FP32_WEIGHTS_AND_GRADIENTS,
+    SHARDED_FROM_STAGE,
+    state_bytes_per_param,
+)
 
 STAGE_NAMES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3 / FSDP"}
 """What each ZeRO stage is called; stage 0 is plain data parallelism (DDP)."""
 
-FP32_ADAM_BYTES_PER_PARAM: dict[str, int] = {
-    "weights": 4,  # fp32: forward, backward and the optimiser all use this copy
-    "gradients": 4,
-    "Adam momentum": 4,
-    "Adam variance": 4,
-}
-"""Bytes per parameter of plain fp32 training with Adam: 16, like bf16 mixed precision
-(:data:`trainscale.memory.BYTES_PER_PARAM`), but with no separate master copy and
-gradients twice as large."""
+FP32_ADAM_BYTES_PER_PARAM: dict[str, int] = state_bytes_per_param(FP32_WEIGHTS_AND_GRADIENTS)
+"""Bytes per parameter of plain fp32 training with Adam, as :mod:`trainscale.memory`
+counts its ``FP32_WEIGHTS_AND_GRADIENTS`` recipe: 16, like bf16 mixed precision
+(:data:`trainscale.memory.BYTES_PER_PARAM`), but with no separate master copy (the fp32
+weights are the optimiser's copy) and gradients twice as large."""
 
 
 def bytes_per_param(gpus: int, zero_stage: int) -> float:
