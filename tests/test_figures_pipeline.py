@@ -2,7 +2,7 @@
 
 import pytest
 
-from trainscale.figures import bubble_curves, pipeline_timelines, svg_text
+from trainscale.figures import bubble_curves, pipeline_timelines, schedule_comparison, svg_text
 from trainscale.pipeline import bubble, simulate
 
 
@@ -24,3 +24,45 @@ def test_bubble_curves_draw_every_curve_and_mark():
     curves = {k: ([1, 2, 4], [bubble(k, m) for m in (1, 2, 4)]) for k in (2, 4)}
     fig = bubble_curves(curves, marks={2: (8, bubble(2, 8))}, threshold=0.2)
     assert len(fig.axes[0].lines) == 4  # two curves, one mark, the threshold
+
+
+def test_zero_bubble_timelines_draw_both_halves_of_the_backward():
+    fig = pipeline_timelines(
+        [simulate("1f1b", 4, 8), simulate("zb-h1", 4, 8), simulate("zb-v", 4, 8)]
+    )
+    labels = [text.get_text() for text in fig.legends[0].get_texts()]
+    assert labels == [
+        "forward",
+        "backward",
+        "input gradient (B)",
+        "weight gradient (W)",
+        "forward, 2nd chunk",
+        "B, 2nd chunk",
+        "W, 2nd chunk",
+        "idle (bubble)",
+    ]
+    titles = [ax.get_title(loc="left") for ax in fig.axes]
+    assert titles[1] == "ZB-H1, 4 stages, 8 micro-batches: bubble 11%, at most 4 held"
+    assert titles[2].startswith("ZB-V, 4 stages, 8 micro-batches: bubble 6%")  # 1.5 of 25.5
+    plain = pipeline_timelines([simulate("gpipe", 2, 2)])
+    assert [t.get_text() for t in plain.legends[0].get_texts()] == [
+        "forward",
+        "backward",
+        "idle (bubble)",
+    ]
+
+
+def test_schedule_comparison_draws_one_bar_per_schedule_in_each_panel():
+    timelines = [simulate("1f1b", 4, 8), simulate("zb-h1", 4, 8), simulate("zb-v", 4, 8)]
+    fig = schedule_comparison(timelines, source="simulated")
+    bubbles, held = fig.axes
+    assert [bar.get_width() for bar in bubbles.patches] == pytest.approx(
+        [100 * 9 / 33, 100 * 3 / 27, 100 * 1.5 / 25.5]
+    )
+    assert [bar.get_width() for bar in held.patches] == [4, 4, 4]
+    assert [t.get_text() for t in bubbles.get_yticklabels()] == ["1F1B", "ZB-H1", "ZB-V"]
+    assert svg_text(fig) == svg_text(schedule_comparison(timelines, source="simulated"))
+    with pytest.raises(ValueError, match="source"):
+        schedule_comparison(timelines, source=" ")
+    with pytest.raises(ValueError, match="timelines"):
+        schedule_comparison([], source="simulated")

@@ -20,3 +20,15 @@ def test_time_bars_draw_and_reject_unknown_kinds():
     assert len(fig.axes[0].patches) == 2
     with pytest.raises(ValueError, match="durations_ms"):
         figures.time_bars({"sleep: c": 1.0}, "t")
+
+
+def test_activation_memory_bars_stack_split_and_whole_parts():
+    fig = figures.activation_memory_bars({"TP": (52.0, 160.0), "TP + SP": (68.0, 0.0)}, 544.0, "t")
+    widths = sorted(p.get_width() for p in fig.axes[0].patches)
+    assert widths == [0.0, 52.0, 68.0, 160.0]  # two schemes, each split + whole
+    labels = [t.get_text() for t in fig.axes[0].texts]
+    assert "212 MiB" in labels and "68 MiB" in labels
+    with pytest.raises(ValueError, match="kept"):
+        figures.activation_memory_bars({}, 1.0, "t")
+    with pytest.raises(ValueError, match="unsplit"):
+        figures.activation_memory_bars({"TP": (1.0, 1.0)}, 0.0, "t")

@@ -25,6 +25,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "transformer",
         "published",
         "reliability",
+        "context",
+        "experts",
     ),
     # 2: simulations and measurements in one process.
     ("parallel", "loss_scaling", "stability", "efficiency"),

@@ -11,10 +11,14 @@ from hypothesis import strategies as st
 from trainscale.pipeline import (
     BACKWARD,
     FORWARD,
+    INPUT,
+    WEIGHT,
     Op,
     Timeline,
     bubble,
+    bubble_zb_h1,
     micro_batches_for_bubble,
+    replay,
     simulate,
 )
 
@@ -229,6 +233,10 @@ def test_bubble_is_a_share_and_shrinks_with_micro_batches_and_chunks(p, m, v):
         ({"send": math.inf}, "send"),
         ({"send": True}, "send"),
         ({"send": "0"}, "send"),
+        ({"schedule": "zb-v", "chunks": 3}, "chunks"),
+        ({"schedule": "zb-h1", "chunks": 2}, "chunks"),
+        ({"schedule": "zb-h1", "backward": 2, "weight": 2}, "weight"),
+        ({"schedule": "zb-v", "weight": 0}, "weight"),
     ],
 )
 def test_bad_arguments_name_themselves(kwargs, name):
@@ -261,3 +269,185 @@ def test_timelines_are_immutable():
     with pytest.raises(dataclasses.FrozenInstanceError):
         timeline.stages = 3
     assert isinstance(timeline.ops, tuple) and isinstance(timeline.ops[0], tuple)
+
+
+# --- zero-bubble schedules: the backward split into input (B) and weight (W) passes -------
+
+
+def test_two_stage_zb_h1_by_hand():
+    # F = B = W = 1 (forward 1, backward 2 of which weight 1). Stage 1 computes the loss:
+    # F0 1-2, B0 2-3, F1 3-4, B1 4-5, then its delayed W0 5-6 and W1 6-7. Stage 0 starts
+    # B0 when stage 1's B0 ends (3): B0 3-4, W0 4-5, B1 5-6, W1 6-7. Idle 1 per stage of 7.
+    timeline = simulate("zb-h1", 2, 2)
+    assert timeline.ops == (
+        (
+            Op(FORWARD, 0, 0, 1),
+            Op(FORWARD, 1, 1, 2),
+            Op(INPUT, 0, 3, 4),
+            Op(WEIGHT, 0, 4, 5),
+            Op(INPUT, 1, 5, 6),
+            Op(WEIGHT, 1, 6, 7),
+        ),
+        (
+            Op(FORWARD, 0, 1, 2),
+            Op(INPUT, 0, 2, 3),
+            Op(FORWARD, 1, 3, 4),
+            Op(INPUT, 1, 4, 5),
+            Op(WEIGHT, 0, 5, 6),
+            Op(WEIGHT, 1, 6, 7),
+        ),
+    )
+    assert timeline.makespan == 7 and timeline.idle == (1, 1)
+    assert timeline.bubble == 2 / 14 == bubble_zb_h1(2, 2)
+    assert timeline.peak_activations == (2, 2)  # held until the weight pass
+
+
+def test_zb_h1_formula_by_hand():
+    # (p - 1)(F + B - W) / (m (F + B + W) + (p - 1)(F + B - W))
+    assert bubble_zb_h1(4, 8) == 3 / (8 * 3 + 3) == 1 / 9  # F = B = W = 1
+    assert bubble_zb_h1(4, 8, 1, 3, 1) == 6 / (8 * 4 + 6) == 3 / 19  # B = 2
+    assert bubble_zb_h1(1, 5) == 0.0
+    # a third of 1F1B's idle time when the three passes are equal: 3 of 9 for 4 stages
+    assert simulate("1f1b", 4, 8).idle[0] == 9 and simulate("zb-h1", 4, 8).idle[0] == 3
+
+
+@given(st.integers(1, 8), st.integers(0, 24), times, times, st.floats(0.05, 1.0))
+def test_zb_h1_bubble_is_the_formula_within_its_conditions(k, extra, f, b_input, share):
+    m = k + extra  # at least as many micro-batches as stages
+    w = share * min(f, b_input)  # the weight pass no longer than the forward or input pass
+    timeline = simulate("zb-h1", k, m, f, b_input + w, weight=w)
+    assert timeline.bubble == pytest.approx(bubble_zb_h1(k, m, f, b_input + w, w), abs=1e-9)
+    idle = (k - 1) * (f + b_input - w)
+    assert all(i == pytest.approx(idle, rel=1e-9, abs=1e-9) for i in timeline.idle)
+    assert timeline.makespan <= simulate("1f1b", k, m, f, b_input + w).makespan * (1 + 1e-9)
+
+
+def test_zb_v_by_the_simulator():
+    # 4 devices, 8 micro-batches, F = B = W: chunks of half a stage, and device 3 (virtual
+    # stages 3 and 4) waits for the first forward to cross 3 half-stages: 1.5 idle of 25.5.
+    timeline = simulate("zb-v", 4, 8)
+    assert timeline.chunks == 2
+    assert timeline.makespan == 25.5 and timeline.idle == (1.5,) * 4
+    assert timeline.bubble == pytest.approx(6 / 102)
+    assert timeline.peak_activations == (4, 4, 4, 4)  # 1F1B's first stage, on every device
+    assert timeline.bubble < simulate("zb-h1", 4, 8).bubble < simulate("1f1b", 4, 8).bubble
+    first_device = {(op.chunk, op.kind) for op in timeline.ops[0]}
+    assert (1, INPUT) in first_device  # device 0 holds the last virtual stage: the loss
+
+
+@given(st.sampled_from(["zb-h1", "zb-v"]), stages, micro_batches, times, times, st.floats(0, 5))
+def test_zero_bubble_dependencies_are_respected(schedule, k, m, f, b, send):
+    w = b / 3
+    timeline = simulate(schedule, k, m, f, b, weight=w, send=send)
+    v = timeline.chunks
+    last = v * k - 1
+    passes = {}  # (kind, virtual stage, micro-batch) -> (device, op)
+    for device, ops in enumerate(timeline.ops):
+        for op in ops:
+            virtual = 2 * k - 1 - device if op.chunk else device  # ZB-V's V placement
+            passes[(op.kind, virtual, op.micro_batch)] = (device, op)
+    assert len(passes) == 3 * v * k * m  # F, B and W of every micro-batch on every piece
+    tolerance = 1e-9 * max(1.0, timeline.makespan)
+    for (kind, virtual, mb), (device, op) in passes.items():
+        duration = {FORWARD: f, INPUT: b - w, WEIGHT: w}[kind] / v
+        assert op.end - op.start == pytest.approx(duration)
+        if kind == FORWARD and virtual > 0:
+            other, before = passes[(FORWARD, virtual - 1, mb)]
+            assert op.start >= before.end + (send if other != device else 0) - tolerance
+        if kind == INPUT:
+            key = (INPUT, virtual + 1, mb) if virtual < last else (FORWARD, virtual, mb)
+            other, before = passes[key]
+            assert op.start >= before.end + (send if other != device else 0) - tolerance
+        if kind == WEIGHT:
+            assert op.start >= passes[(INPUT, virtual, mb)][1].end - tolerance
+    for ops in timeline.ops:
+        for before, after in itertools.pairwise(ops):
+            assert after.start >= before.end - tolerance
+
+
+def test_zb_h1_formula_refuses_arguments_outside_its_conditions():
+    with pytest.raises(ValueError, match="micro_batches must be at least stages"):
+        bubble_zb_h1(4, 3)
+    with pytest.raises(ValueError, match="weight"):
+        bubble_zb_h1(4, 8, forward=1, backward=3, weight=1.5)  # W > F
+    with pytest.raises(ValueError, match="weight"):
+        bubble_zb_h1(4, 8, forward=2, backward=1.5, weight=1)  # W > B = 0.5
+    for kwargs, name in (({"stages": 0}, "stages"), ({"forward": 0}, "forward")):
+        with pytest.raises(ValueError, match=name):
+            bubble_zb_h1(**{"stages": 4, "micro_batches": 8, **kwargs})
+
+
+def _torch_orders(schedule: str, stages: int, micro_batches: int) -> list:
+    """What PyTorch's zero-bubble schedule runs on each rank, as (kind, chunk, micro-batch).
+
+    The schedule is built without processes: a stage that knows only its place.
+    """
+    from torch.distributed.pipelining import schedules
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+    class Placed(_PipelineStageBase):
+        def __init__(self, index: int, count: int) -> None:
+            self.stage_index, self.num_stages = index, count
+            self.group_size, self.group_rank = stages, 0
+            self.submod, self.has_backward, self.dw_builder = None, True, None
+            self.stage_index_to_group_rank = {}
+
+        def _create_grad_recv_info(self, *args, **kwargs): ...
+        def _prepare_backward_infra(self, *args, **kwargs): ...
+        def _prepare_forward_infra(self, *args, **kwargs): ...
+
+    if schedule == "zb-h1":
+        placed = [Placed(0, stages)]
+        built = schedules.ScheduleInterleavedZeroBubble(placed, micro_batches)
+    else:
+        placed = [Placed(0, 2 * stages), Placed(2 * stages - 1, 2 * stages)]
+        built = schedules.ScheduleZBVZeroBubble(placed, micro_batches)
+    kinds = {"F": FORWARD, "I": INPUT, "W": WEIGHT}
+    return [
+        [
+            (
+                kinds[str(a)[len(str(a.stage_index))]],
+                int(a.stage_index >= stages),
+                a.microbatch_index,
+            )
+            for a in built.pipeline_order[rank]
+            if a is not None
+        ]
+        for rank in range(stages)
+    ]
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "zb-v"])
+@pytest.mark.parametrize(("k", "m"), [(2, 2), (3, 5), (3, 3), (4, 4), (4, 8), (4, 12), (5, 7)])
+def test_zero_bubble_orders_are_pytorchs(schedule, k, m):
+    timeline = simulate(schedule, k, m)
+    ours = [[(op.kind, op.chunk, op.micro_batch) for op in ops] for ops in timeline.ops]
+    assert ours == _torch_orders(schedule, k, m)
+
+
+# --- replaying an order (how the chapter simulates DualPipeV from PyTorch's order) ---------
+
+
+def test_replay_plays_an_order_again_with_other_times():
+    zb_h1 = simulate("zb-h1", 4, 8)
+    assert replay(zb_h1) == zb_h1
+    slower = replay(zb_h1, 1, 3, weight=1)  # B = 2: the same order, longer input passes
+    assert slower == simulate("zb-h1", 4, 8, 1, 3, weight=1)
+    assert replay(simulate("1f1b", 3, 5), send=0.5) == simulate("1f1b", 3, 5, send=0.5)
+    # DualPipeV is placed in a V, like ZB-V: the same order plays the same way
+    zb_v = simulate("zb-v", 2, 4)
+    as_dualpipev = dataclasses.replace(zb_v, schedule="dualpipev")
+    assert replay(as_dualpipev, send=0.25).ops == simulate("zb-v", 2, 4, send=0.25).ops
+
+
+def test_replay_refuses_an_order_that_deadlocks_and_bad_times():
+    # stage 1 runs its backward before its forward: it waits for itself
+    stuck = Timeline(
+        "1f1b", 2, 1, ((Op(FORWARD, 0, 0, 1), Op(BACKWARD, 0, 3, 5)), (Op(BACKWARD, 0, 1, 3),))
+    )
+    with pytest.raises(ValueError, match="deadlocks"):
+        replay(stuck)
+    with pytest.raises(ValueError, match="weight"):
+        replay(simulate("zb-h1", 2, 2), 1, 2, weight=2)
+    with pytest.raises(ValueError, match="forward"):
+        replay(simulate("zb-h1", 2, 2), 0)

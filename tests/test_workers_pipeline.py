@@ -14,7 +14,7 @@ from own_processes import own_children
 from torch import nn
 
 from trainscale.distributed import run_ranks
-from trainscale.pipeline import BACKWARD, FORWARD, bubble, simulate
+from trainscale.pipeline import BACKWARD, FORWARD, INPUT, WEIGHT, bubble, simulate
 from trainscale.workers import pipeline as wp
 
 # --- pieces, in this process ----------------------------------------------------------
@@ -171,3 +171,120 @@ def test_torchrun_entry_gathers_the_stages_and_reports_on_rank_0():
     # GPipe holds both micro-batches on each stage: 2 x 5,120 bytes, 2 x 5,632 on the last
     assert (first["peak_saved_bytes"], last["peak_saved_bytes"]) == ([10_240], [11_264])
     assert first["left_saved_bytes"] == last["left_saved_bytes"] == [0]
+
+
+# --- the zero-bubble pieces: split backward, V placement, timelines ------------------------
+
+
+def test_simulated_compute_with_a_weight_pass_keeps_its_output_and_splits_its_backward():
+    layer = wp.SimulatedCompute(0.0, 0.002, 0.001)
+    x = torch.randn(3, 4, requires_grad=True)
+    y = layer(x)
+    assert torch.equal(y, x)  # the clock's branch adds 0 x 0
+    grad = torch.randn(3, 4)
+    y.backward(grad)
+    assert torch.equal(x.grad, grad)
+    assert layer.clock.grad == 0
+    kinds = [kind for kind, _, _ in layer.events]
+    assert kinds == [FORWARD, INPUT, WEIGHT]  # a full backward runs both halves, input first
+    (_, _, _), (_, i_start, i_end), (_, w_start, w_end) = layer.events
+    assert i_end - i_start >= 0.001 and w_end - w_start >= 0.001  # 0.002 - 0.001, and 0.001
+    assert "weight_s=0.001" in repr(layer)
+    with pytest.raises(ValueError, match="weight_s"):
+        wp.SimulatedCompute(0.0, 0.001, 0.002)
+
+
+def test_pytorchs_split_backward_runs_each_half_in_its_own_pass():
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(4, 4), wp.SimulatedCompute(0.0, 0.002, 0.001))
+    x = torch.randn(2, 4, requires_grad=True)
+    out, grad = module(x), torch.randn(2, 4)
+    (dx,), groups = stage_backward_input([out], [grad], [x], module.parameters())
+    assert [kind for kind, _, _ in module[-1].events] == [FORWARD, INPUT]
+    assert module[0].weight.grad is None  # the weight gradients wait
+    stage_backward_weight(module.parameters(), groups)
+    assert [kind for kind, _, _ in module[-1].events] == [FORWARD, INPUT, WEIGHT]
+    expected = torch.autograd.grad(module(x), [x, module[0].weight], grad)
+    assert torch.allclose(dx, expected[0]) and torch.allclose(module[0].weight.grad, expected[1])
+
+
+def test_pieces_chained_are_the_whole_model():
+    model = wp.reference_model(4)
+    pieces = [wp.piece_module(model, p, 8, 0, 0) for p in range(8)]
+    x, _ = wp.batch(2)
+    out = x
+    for piece in pieces:
+        out = piece(out)
+    assert torch.equal(out, model(x))
+    assert len(pieces[3]) == 2 and pieces[3][0] is model[3]  # one block, then the clock
+    with pytest.raises(ValueError, match="piece must be between 0 and 7"):
+        wp.piece_module(model, 8, 8, 0, 0)
+    with pytest.raises(ValueError, match="pieces must divide"):
+        wp.piece_module(model, 0, 3, 0, 0)
+
+
+def test_pieces_of_rank_by_hand():
+    # one piece per rank, or a V: rank r holds r and 2K - 1 - r of 2K
+    assert wp.pieces_of_rank("zb-h1", 2, 4) == [2, 4]
+    assert wp.pieces_of_rank("1f1b", 0, 4) == [0, 4]
+    assert wp.pieces_of_rank("zb-v", 0, 4) == [0, 7, 8]
+    assert wp.pieces_of_rank("dualpipev", 3, 4) == [3, 4, 8]
+    with pytest.raises(ValueError, match="rank must be between 0 and 3"):
+        wp.pieces_of_rank("zb-v", 4, 4)
+    with pytest.raises(ValueError, match="schedule"):
+        wp.pieces_of_rank("gpipe", 0, 4)
+
+
+def test_chunk_ops_number_each_piece_and_kind_in_turn():
+    first = wp.piece_module(wp.reference_model(1), 0, 2, 0, 0)
+    second = wp.piece_module(wp.reference_model(1), 1, 2, 0, 0)
+    first[-1].events[:] = [(FORWARD, 1.0, 2.0), (FORWARD, 3.0, 4.0), (INPUT, 6.0, 7.0)]
+    second[-1].events[:] = [(FORWARD, 2.0, 3.0), (INPUT, 4.0, 5.0), (WEIGHT, 5.0, 6.0)]
+    assert wp._chunk_ops([first, second], 1.0) == [
+        (FORWARD, 0, 0.0, 1.0, 0),
+        (FORWARD, 0, 1.0, 2.0, 1),
+        (FORWARD, 1, 2.0, 3.0, 0),
+        (INPUT, 0, 3.0, 4.0, 1),
+        (WEIGHT, 0, 4.0, 5.0, 1),
+        (INPUT, 0, 5.0, 6.0, 0),
+    ]
+
+
+def test_zero_bubble_timelines_from_rank_results():
+    # ZB-H1 on 2 stages, 1 micro-batch, F = B = W = 1, as the simulator plays it
+    steps = [
+        [("forward", 0, 0, 1, 0), ("input", 0, 3, 4, 0), ("weight", 0, 4, 5, 0)],
+        [("forward", 0, 1, 2, 0), ("input", 0, 2, 3, 0), ("weight", 0, 3, 4, 0)],
+    ]
+    per_rank = [{"schedule": "zb-h1", "micro_batches": 1, "chunks": 1, "steps": [s]} for s in steps]
+    (only,) = wp.zero_bubble_timelines(per_rank)
+    assert only == simulate("zb-h1", 2, 1)
+    with pytest.raises(ValueError, match="per_rank"):
+        wp.zero_bubble_timelines([])
+
+
+@pytest.mark.slow  # two real gloo ranks
+def test_zero_bubble_worker_reports_a_schedule_pytorch_refuses():
+    # notebook 07 runs every schedule on 4 ranks; here, the refusal path: DualPipeV wants
+    # at least as many micro-batches as its 2K = 4 stages, and gets 2
+    before = own_children()
+    results = run_ranks(
+        wp.zero_bubble_worker, 2, ("dualpipev", "zb-h1"), 2, 0.0, 0.0, 0.0, 1, timeout=120
+    )
+    time.sleep(0.2)
+    assert own_children() <= before, "processes left behind"
+    (refused, ran), (refused_1, ran_1) = results
+    assert (
+        refused
+        == refused_1
+        == {
+            "schedule": "dualpipev",
+            "micro_batches": 2,
+            "error": "ValueError: DualPipeV requires at least as many microbatches as stages,"
+            " but got 2 microbatches and 4 stages.",
+        }
+    )
+    assert not ran["losses"] and len(ran_1["losses"]) == 2  # rank 1 holds the last piece
+    assert len(ran["grads"]) == len(ran_1["grads"]) == 8  # 2 blocks x 2 linears x 2 tensors

@@ -20,7 +20,7 @@ do not block the sender and whose receives block the receiver:
   starts after that stage's own forward of ``m``, which computed the loss;
 * otherwise an operation starts as soon as its stage is free.
 
-Three schedules:
+Five schedules:
 
 * ``"gpipe"``: every forward, then every backward, both in micro-batch order
   (GPipe, arXiv 1811.06965; the order of PyTorch's ``ScheduleGPipe``);
@@ -30,7 +30,20 @@ Three schedules:
 * ``"interleaved"``: each device holds ``chunks`` non-consecutive pieces of the
   model (device ``d`` holds virtual stages ``d, d + K, d + 2K, ...``) and runs
   them in Megatron-LM's interleaved 1F1B order (arXiv 2104.04473);
-  the idle time shrinks ``chunks`` times, at the price of more sends.
+  the idle time shrinks ``chunks`` times, at the price of more sends;
+* ``"zb-h1"``: the backward of each micro-batch is split into the gradient of
+  the stage's input (``"input"``, what the stage before waits for) and the
+  gradient of its weights (``"weight"``, which nobody waits for), and the
+  weight passes are put off to fill the idle time: ZB-H1 of Qi et al.,
+  "Zero Bubble Pipeline Parallelism" (arXiv 2401.10241), in the order of
+  PyTorch's ``ScheduleInterleavedZeroBubble`` with one stage per device;
+* ``"zb-v"``: the same split, with two chunks per device placed in a V (device
+  ``d`` holds virtual stages ``d`` and ``2K - 1 - d``, so the first device also
+  computes the loss): ZB-V of the same paper, in the order of PyTorch's
+  ``ScheduleZBVZeroBubble``.
+
+With the split, a micro-batch's activations are counted as held until its
+weight pass has run (an upper bound: the input pass frees part of them).
 """
 
 from __future__ import annotations
@@ -42,13 +55,21 @@ from typing import NamedTuple
 from trainscale import _checks
 
 FORWARD, BACKWARD = "forward", "backward"
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+INPUT, WEIGHT = "input", "weight"
+"""The two halves of a split backward: the input gradient (B) and the weight gradient (W)."""
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
+ZERO_BUBBLE = ("zb-h1", "zb-v")
+"""The schedules that split each backward into an input and a weight pass."""
+V_SHAPED = ("zb-v", "dualpipev")
+"""Schedules whose device ``d`` holds virtual stages ``d`` and ``2K - 1 - d``: ZB-V, and
+DeepSeek's DualPipeV (arXiv 2412.19437), which :func:`replay` can play from its order."""
 
 
 class Op(NamedTuple):
-    """One operation of a stage: the ``kind`` (``"forward"`` or ``"backward"``) of
+    """One operation of a stage: the ``kind`` (``"forward"``, ``"backward"``, or
+    the two halves of a split backward, ``"input"`` and ``"weight"``) of
     ``micro_batch``, running from ``start`` to ``end``, on the device's model
-    chunk ``chunk`` (always ``0`` unless the schedule is interleaved)."""
+    chunk ``chunk`` (always ``0`` unless the device holds several chunks)."""
 
     kind: str
     micro_batch: int
@@ -97,7 +118,8 @@ class Timeline:
         """Most micro-batches whose activations each stage held at one time.
 
         A micro-batch's activations are held from the start of its forward to
-        the end of its backward. With several chunks per device, each chunk
+        the end of its backward (of its weight pass, when the backward is
+        split). With several chunks per device, each chunk
         holds ``1 / chunks`` of the device's layers, so a (chunk, micro-batch)
         pair counts as ``1 / chunks`` of a micro-batch. Whole counts are ``int``.
         """
@@ -105,7 +127,10 @@ class Timeline:
         for stage in self.ops:
             held = peak = 0
             for op in stage:
-                held += 1 if op.kind == FORWARD else -1
+                if op.kind == FORWARD:
+                    held += 1
+                elif op.kind in (BACKWARD, WEIGHT):
+                    held -= 1
                 peak = max(peak, held)
             peaks.append(peak // self.chunks if peak % self.chunks == 0 else peak / self.chunks)
         return tuple(peaks)
@@ -127,6 +152,41 @@ def bubble(stages: int, micro_batches: int, virtual_stages: int = 1) -> float:
     m = _checks.count("micro_batches", micro_batches, minimum=1)
     v = _checks.count("virtual_stages", virtual_stages, minimum=1)
     return (p - 1) / (v * m + p - 1)
+
+
+def bubble_zb_h1(
+    stages: int,
+    micro_batches: int,
+    forward: float = 1.0,
+    backward: float = 2.0,
+    weight: float = 1.0,
+) -> float:
+    """Idle share of a ZB-H1 step (Qi et al., arXiv 2401.10241):
+    ``(p - 1)(F + B - W) / (m (F + B + W) + (p - 1)(F + B - W))``.
+
+    ``F`` is ``forward``, ``W`` is ``weight`` (the weight-gradient pass) and
+    ``B = backward - weight`` the input-gradient pass, all times of one
+    micro-batch on one stage, as :func:`simulate` takes them. 1F1B leaves each
+    stage ``(p - 1)(F + B + W)`` idle; ZB-H1 starts each input pass sooner, with
+    no weight pass in its way, and puts the weight passes off into the tail,
+    where 1F1B idles, so each stage idles ``(p - 1)(F + B - W)``: a third of
+    1F1B's when the three passes take equally long. It holds when ``m >= p`` and ``W <= F``,
+    ``W <= B`` (checked against :func:`simulate`); other arguments raise
+    ``ValueError``.
+    """
+    p = _checks.count("stages", stages, minimum=1)
+    m = _checks.count("micro_batches", micro_batches, minimum=1)
+    f = _checks.positive("forward", forward)
+    w = _checks.positive("weight", weight)
+    b = _checks.positive("backward", backward) - w
+    if m < p:
+        raise ValueError(f"micro_batches must be at least stages ({p}) for ZB-H1, got {m}")
+    if w > f or w > b:
+        raise ValueError(
+            f"weight must be at most forward ({f:g}) and backward - weight ({b:g}), got {w:g}"
+        )
+    idle = (p - 1) * (f + b - w)
+    return idle / (m * (f + b + w) + idle)
 
 
 def micro_batches_for_bubble(stages: int, bubble_share: float) -> int:
@@ -189,6 +249,73 @@ def _interleaved_order(
     return order
 
 
+def _zb_h1_order(stages: int, micro_batches: int, stage: int) -> list[tuple[str, int, int]]:
+    """ZB-H1 for device ``stage``, as PyTorch's ``ScheduleInterleavedZeroBubble`` orders it
+    with one stage per device.
+
+    Like 1F1B, ``K - 1 - s`` forwards fill the pipeline, then each step runs a
+    forward and an input pass; the weight passes trail the input passes by ``s``
+    steps, so that every stage holds ``K`` micro-batches at most and the weight
+    passes left at the end fill the time the later stages would otherwise wait.
+    """
+    warmup = min(stages - 1 - stage, micro_batches)
+    order = [(FORWARD, 0, m) for m in range(warmup)]
+    for i in range(micro_batches):
+        if warmup + i < micro_batches:
+            order.append((FORWARD, 0, warmup + i))
+        order.append((INPUT, 0, i))
+        if i >= stage:
+            order.append((WEIGHT, 0, i - stage))
+    order += [(WEIGHT, 0, m) for m in range(max(0, micro_batches - stage), micro_batches)]
+    return order
+
+
+def _zb_v_order(stages: int, micro_batches: int, stage: int) -> list[tuple[str, int, int]]:
+    """ZB-V for device ``stage``, as PyTorch's ``ScheduleZBVZeroBubble`` orders it.
+
+    Chunk 0 is virtual stage ``s``, chunk 1 virtual stage ``2K - 1 - s``. The order
+    is built for at least ``2K - 1`` micro-batches; passes of micro-batches beyond
+    ``micro_batches`` are then left out, as PyTorch leaves them out.
+    """
+    k, s = stages, stage
+    count = max(2 * k - 1, micro_batches)
+    order: list[tuple[str, int, int]] = []
+    f0 = f1 = b0 = b1 = 0
+    for _ in range(2 * (k - s) - 1):  # warm-up: chunk 0 forwards
+        order.append((FORWARD, 0, f0))
+        f0 += 1
+    for _ in range(s):  # then both chunks' forwards, alternating
+        order += [(FORWARD, 1, f1), (FORWARD, 0, f0)]
+        f0, f1 = f0 + 1, f1 + 1
+    for _ in range(k - s):  # the V's bottom: chunk 1 starts its backwards
+        order += [(FORWARD, 1, f1), (INPUT, 1, b1), (WEIGHT, 1, b1)]
+        f1, b1 = f1 + 1, b1 + 1
+    while f1 < f0 or f0 < count:  # steady state
+        if f0 < count:
+            order.append((FORWARD, 0, f0))
+            f0 += 1
+        order += [(INPUT, 0, b0), (WEIGHT, 0, b0), (FORWARD, 1, f1)]
+        order += [(INPUT, 1, b1), (WEIGHT, 1, b1)]
+        b0, f1, b1 = b0 + 1, f1 + 1, b1 + 1
+    w0, w1 = b0, b1
+    for _ in range(s):  # cool-down: input passes first, weight passes after
+        order += [(INPUT, 0, b0), (INPUT, 1, b1)]
+        b0, b1 = b0 + 1, b1 + 1
+    for _ in range(k - s):
+        order += [(INPUT, 0, b0), (WEIGHT, 0, w0)]
+        b0, w0 = b0 + 1, w0 + 1
+    order += [(WEIGHT, 1, m) for m in range(w1, b1)]
+    order += [(WEIGHT, 0, m) for m in range(w0, b0)]
+    return [op for op in order if op[2] < micro_batches]
+
+
+def _virtual_stage(schedule: str, stages: int, device: int, chunk: int) -> int:
+    """Which piece of the model (counted from the input) a device's chunk holds."""
+    if schedule in V_SHAPED and chunk == 1:
+        return 2 * stages - 1 - device
+    return chunk * stages + device
+
+
 def simulate(
     schedule: str,
     stages: int,
@@ -198,22 +325,29 @@ def simulate(
     *,
     chunks: int = 1,
     send: float = 0.0,
+    weight: float | None = None,
 ) -> Timeline:
     """Play one training step of a pipeline schedule and return its :class:`Timeline`.
 
     ``schedule`` is one of :data:`SCHEDULES`. ``forward`` and ``backward`` are
     the times one stage takes for one micro-batch (``backward`` defaults to
     ``2 * forward``, chapter 1); with ``chunks`` pieces per device each piece
-    takes ``1 / chunks`` of them. ``send`` is the time an activation or a
-    gradient takes to reach the next device (``0``: free, as the formula
-    assumes). ``"interleaved"`` needs ``chunks >= 2`` and ``micro_batches`` a
-    multiple of ``stages``; the other schedules take ``chunks = 1``.
+    takes ``1 / chunks`` of them. The zero-bubble schedules split ``backward``
+    into a weight pass of ``weight`` (default: half of ``backward``) and an
+    input pass of the rest; the other schedules ignore ``weight``. ``send`` is
+    the time an activation or a gradient takes to reach the next device (``0``:
+    free, as the formula assumes). ``"interleaved"`` needs ``chunks >= 2`` and
+    ``micro_batches`` a multiple of ``stages``; ``"zb-v"`` has 2 chunks per device
+    (``chunks`` may be left at 1); the others take ``chunks = 1``.
     """
     name = _checks.choice("schedule", schedule, SCHEDULES)
     k = _checks.count("stages", stages, minimum=1)
     m = _checks.count("micro_batches", micro_batches, minimum=1)
     f = _checks.positive("forward", forward)
     b = 2 * f if backward is None else _checks.positive("backward", backward)
+    w = b / 2 if weight is None else _checks.positive("weight", weight)
+    if name in ZERO_BUBBLE and w >= b:
+        raise ValueError(f"weight must be below backward ({b:g}) to leave an input pass, got {w:g}")
     latency = _checks.non_negative("send", send)
     if name == "interleaved":
         v = _checks.count("chunks", chunks, minimum=2)
@@ -223,56 +357,109 @@ def simulate(
                 f" schedule, got {m}"
             )
         orders = [_interleaved_order(k, m, s, v) for s in range(k)]
+    elif name == "zb-v":
+        v = _checks.count("chunks", chunks, minimum=1)
+        if v not in (1, 2):
+            raise ValueError(f"chunks must be 2 (or 1, read as 2) for zb-v, got {chunks}")
+        v = 2
+        orders = [_zb_v_order(k, m, s) for s in range(k)]
     else:
         v = _checks.count("chunks", chunks, minimum=1)
         if v != 1:
             raise ValueError(f"chunks must be 1 for the {name} schedule, got {chunks}")
-        make = _gpipe_order if name == "gpipe" else _one_f_one_b_order
+        make = {"gpipe": _gpipe_order, "1f1b": _one_f_one_b_order, "zb-h1": _zb_h1_order}[name]
         orders = [make(k, m, s) for s in range(k)]
-    return Timeline(name, k, m, _play(orders, k, v, f / v, b / v, latency), v)
+    times = {FORWARD: f / v, BACKWARD: b / v, INPUT: (b - w) / v, WEIGHT: w / v}
+    placement = [[_virtual_stage(name, k, d, c) for c in range(v)] for d in range(k)]
+    return Timeline(name, k, m, _play(orders, placement, times, latency), v)
+
+
+def replay(
+    timeline: Timeline,
+    forward: float = 1.0,
+    backward: float | None = None,
+    *,
+    weight: float | None = None,
+    send: float = 0.0,
+) -> Timeline:
+    """Play the order of ``timeline`` (measured, say) again with fixed times.
+
+    Each device runs exactly the passes ``timeline`` lists for it, in that
+    order, as early as the dependencies of :func:`simulate` allow, with the
+    times of :func:`simulate` (``weight`` splits the backward of ``"input"`` and
+    ``"weight"`` passes). Chunks are placed as in an interleaved schedule, or in
+    a V if ``timeline.schedule`` is one of :data:`V_SHAPED`. This is how the
+    book simulates a schedule it has no order of its own for, such as DualPipeV:
+    from the order PyTorch ran.
+    """
+    f = _checks.positive("forward", forward)
+    b = 2 * f if backward is None else _checks.positive("backward", backward)
+    w = b / 2 if weight is None else _checks.positive("weight", weight)
+    if w >= b:
+        raise ValueError(f"weight must be below backward ({b:g}) to leave an input pass, got {w:g}")
+    latency = _checks.non_negative("send", send)
+    k, v = timeline.stages, timeline.chunks
+    orders = [[(op.kind, op.chunk, op.micro_batch) for op in ops] for ops in timeline.ops]
+    times = {FORWARD: f / v, BACKWARD: b / v, INPUT: (b - w) / v, WEIGHT: w / v}
+    placement = [[_virtual_stage(timeline.schedule, k, d, c) for c in range(v)] for d in range(k)]
+    played = _play(orders, placement, times, latency)
+    return Timeline(timeline.schedule, k, timeline.micro_batches, played, v)
 
 
 def _play(
     orders: list[list[tuple[str, int, int]]],
-    stages: int,
-    chunks: int,
-    forward: float,
-    backward: float,
+    placement: list[list[int]],
+    times: dict[str, float],
     send: float,
 ) -> tuple[tuple[Op, ...], ...]:
-    """Run each device's ``orders`` as early as the dependencies allow."""
-    last = stages * chunks - 1  # the virtual stage that computes the loss
-    done: dict[tuple[str, int, int], float] = {}  # (kind, virtual stage, micro-batch) -> end
-    free = [0.0] * stages
-    position = [0] * stages
-    ops: list[list[Op]] = [[] for _ in range(stages)]
+    """Run each device's ``orders`` as early as the dependencies allow.
+
+    ``placement[d][c]`` is the virtual stage that chunk ``c`` of device ``d``
+    holds; ``times`` the duration of each kind of pass.
+    """
+    device_of = {v: d for d, chunks in enumerate(placement) for v in chunks}
+    last = len(device_of) - 1  # the virtual stage that computes the loss
+    done: dict[tuple[str, int, int], float] = {}  # (F, B or W, virtual stage, micro-batch) -> end
+    free = [0.0] * len(orders)
+    position = [0] * len(orders)
+    ops: list[list[Op]] = [[] for _ in orders]
     remaining = sum(len(order) for order in orders)
     while remaining:
         progressed = False
         for device, order in enumerate(orders):
             while position[device] < len(order):
                 kind, chunk, micro_batch = order[position[device]]
-                virtual = chunk * stages + device
-                if kind == FORWARD:
-                    before, neighbour = (FORWARD, virtual - 1, micro_batch), virtual > 0
-                elif virtual < last:
-                    before, neighbour = (BACKWARD, virtual + 1, micro_batch), True
-                else:
-                    before, neighbour = (FORWARD, virtual, micro_batch), False
+                virtual = placement[device][chunk]
+                before = _dependency(kind, virtual, micro_batch, last)
                 ready = 0.0
-                if neighbour or kind == BACKWARD:
+                if before is not None:
                     if before not in done:
                         break
-                    other_device = before[1] % stages != device
-                    ready = done[before] + (send if neighbour and other_device else 0.0)
+                    crosses = device_of[before[1]] != device
+                    ready = done[before] + (send if crosses else 0.0)
                 start = max(free[device], ready)
-                end = start + (forward if kind == FORWARD else backward)
-                done[(kind, virtual, micro_batch)] = end
+                end = start + times[kind]
+                done[(_STEP[kind], virtual, micro_batch)] = end
                 free[device] = end
                 ops[device].append(Op(kind, micro_batch, start, end, chunk))
                 position[device] += 1
                 remaining -= 1
                 progressed = True
-        if not progressed:  # pragma: no cover - every schedule above is deadlock-free
-            raise RuntimeError("the schedule deadlocked: every stage waits for another")
+        if not progressed:  # every schedule above is deadlock-free; a replayed order may not be
+            raise ValueError("the order deadlocks: every stage waits for another")
     return tuple(tuple(stage) for stage in ops)
+
+
+_STEP = {FORWARD: "F", BACKWARD: "B", INPUT: "B", WEIGHT: "W"}
+"""What a pass makes available: an activation (F), an input gradient (B), or neither (W)."""
+
+
+def _dependency(kind: str, virtual: int, micro_batch: int, last: int) -> tuple | None:
+    """The pass that must end before ``kind`` of ``micro_batch`` on ``virtual`` starts."""
+    if kind == FORWARD:
+        return ("F", virtual - 1, micro_batch) if virtual > 0 else None
+    if kind == WEIGHT:
+        return ("B", virtual, micro_batch)  # the stage's own input pass
+    if virtual < last:
+        return ("B", virtual + 1, micro_batch)
+    return ("F", virtual, micro_batch)  # the loss: after the stage's own forward

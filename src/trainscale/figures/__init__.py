@@ -18,6 +18,11 @@ from trainscale.figures.collectives import (
     ring_step,
 )
 from trainscale.figures.compute import attention_share, budget_table, flop_breakdown
+from trainscale.figures.context import (
+    attention_work_per_rank,
+    context_traffic_against_sequence,
+    ring_attention_steps,
+)
 from trainscale.figures.data_parallel import batch_split, bucket_timeline
 from trainscale.figures.efficiency import (
     loader_timeline,
@@ -27,8 +32,9 @@ from trainscale.figures.efficiency import (
     step_breakdown,
     step_durations,
 )
+from trainscale.figures.experts import all_to_all_matrix, expert_loads
 from trainscale.figures.memory import activations_against_batch, memory_stack
-from trainscale.figures.pipeline import bubble_curves, pipeline_timelines
+from trainscale.figures.pipeline import bubble_curves, pipeline_timelines, schedule_comparison
 from trainscale.figures.planner import planner_rejections, planner_top_layouts
 from trainscale.figures.precision import (
     accumulation,
@@ -47,23 +53,32 @@ from trainscale.figures.sharding import (
 )
 from trainscale.figures.step import flop_bars, step_timeline
 from trainscale.figures.style import PALETTE, STYLE, BookFigure, new_figure, svg_text
-from trainscale.figures.tensor_parallel import tensor_parallel_mlp_diagram, time_bars
+from trainscale.figures.tensor_parallel import (
+    activation_memory_bars,
+    tensor_parallel_mlp_diagram,
+    time_bars,
+)
 
 __all__ = [
     "PALETTE",
     "STYLE",
     "BookFigure",
     "accumulation",
+    "activation_memory_bars",
     "activations_against_batch",
+    "all_to_all_matrix",
     "alpha_beta_fit",
     "attention_share",
+    "attention_work_per_rank",
     "bandwidth_against_size",
     "batch_split",
     "bubble_curves",
     "bucket_timeline",
     "budget_table",
     "checkpoint_tradeoff",
+    "context_traffic_against_sequence",
     "decay_bars",
+    "expert_loads",
     "exposed_communication",
     "flop_bars",
     "flop_breakdown",
@@ -87,9 +102,11 @@ __all__ = [
     "planner_top_layouts",
     "recompute_slowdown",
     "restated_utilisation",
+    "ring_attention_steps",
     "ring_stages",
     "ring_step",
     "scaled_cast_histogram",
+    "schedule_comparison",
     "simulated_intervals",
     "step_breakdown",
     "step_durations",

@@ -11,26 +11,52 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, PathPatch
 from matplotlib.path import Path
 
-from trainscale.figures.style import PALE_GREY, PALETTE, STYLE, BookFigure
+from trainscale.figures.style import MUTED_INK, PALE_GREY, PALETTE, STYLE, BookFigure
 from trainscale.pipeline import Timeline
 
-SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved 1F1B"}
+SCHEDULE_NAMES = {
+    "gpipe": "GPipe",
+    "1f1b": "1F1B",
+    "interleaved": "Interleaved 1F1B",
+    "zb-h1": "ZB-H1",
+    "zb-v": "ZB-V",
+    "dualpipev": "DualPipeV",
+}
 """How the figures spell each schedule."""
 
-_FILL = {  # (kind, chunk parity) -> (face colour, text colour)
-    ("forward", 0): (PALETTE["blue"], "white"),
-    ("backward", 0): (PALETTE["orange"], "black"),
-    ("forward", 1): (PALETTE["sky"], "black"),
-    ("backward", 1): (PALETTE["yellow"], "black"),
+_FILL = {  # (kind, chunk parity) -> (face colour, opacity, text colour)
+    ("forward", 0): (PALETTE["blue"], 1.0, "white"),
+    ("backward", 0): (PALETTE["orange"], 1.0, "black"),
+    ("forward", 1): (PALETTE["sky"], 1.0, "black"),
+    ("backward", 1): (PALETTE["yellow"], 1.0, "black"),
+    ("input", 0): (PALETTE["red"], 1.0, "white"),
+    ("weight", 0): (PALETTE["green"], 1.0, "white"),
+    ("input", 1): (PALETTE["red"], 0.5, "black"),
+    ("weight", 1): (PALETTE["green"], 0.5, "black"),
+}
+_LEGEND = {
+    ("forward", 0): "forward",
+    ("backward", 0): "backward",
+    ("input", 0): "input gradient (B)",
+    ("weight", 0): "weight gradient (W)",
+    ("forward", 1): "forward, 2nd chunk",
+    ("backward", 1): "backward, 2nd chunk",
+    ("input", 1): "B, 2nd chunk",
+    ("weight", 1): "W, 2nd chunk",
 }
 _IDLE = PALE_GREY
 _BAR = 0.72  # height of a stage's row of boxes
 
 
+def _opacity(alpha: float) -> dict[str, float]:
+    """``alpha`` as a keyword only when it is not opaque, so opaque boxes draw as before."""
+    return {"alpha": alpha} if alpha < 1 else {}
+
+
 def timeline_title(timeline: Timeline) -> str:
     """The default panel title: the schedule, its size, its bubble and its peak memory."""
     name = SCHEDULE_NAMES.get(timeline.schedule, timeline.schedule)
-    if timeline.chunks > 1:
+    if timeline.chunks > 1 and timeline.schedule == "interleaved":
         name = f"Interleaved, {timeline.chunks} chunks"
     m = timeline.micro_batches
     held = max(timeline.peak_activations, default=0)
@@ -57,7 +83,7 @@ def _boxes(ax: Axes, timeline: Timeline, label_width: float | None) -> None:
                     ha="center",
                     va="center",
                     fontsize=7,
-                    color=_FILL[key][1],
+                    color=_FILL[key][2],
                 )
                 label.set_in_layout(False)  # inside the axes: no need to lay it out
     for key, polygons in rectangles.items():
@@ -65,7 +91,10 @@ def _boxes(ax: Axes, timeline: Timeline, label_width: float | None) -> None:
             continue
         codes = [Path.MOVETO, Path.LINETO, Path.LINETO, Path.LINETO, Path.CLOSEPOLY]
         path = Path([point for polygon in polygons for point in polygon], codes * len(polygons))
-        ax.add_patch(PathPatch(path, facecolor=_FILL[key][0], edgecolor="white", linewidth=0.6))
+        face, opacity, _ = _FILL[key]
+        patch = PathPatch(path, facecolor=face, edgecolor="white", linewidth=0.6)
+        patch.set(**_opacity(opacity))
+        ax.add_patch(patch)
 
 
 def pipeline_timelines(
@@ -78,10 +107,12 @@ def pipeline_timelines(
     """One panel per timeline, stacked on a shared time axis, one row per stage.
 
     Boxes are forward (blue) and backward (orange) passes, numbered by
-    micro-batch; the grey band behind them is idle time, the bubble. With
-    interleaved schedules the second chunk of each device is drawn in lighter
-    colours. ``end`` fixes the right end of the time axis (default: the longest
-    timeline), so several figures can share one scale. ``numbers=False`` leaves
+    micro-batch, or, for the zero-bubble schedules, the backward's two halves:
+    input gradient (red) and weight gradient (green); the grey band behind them is
+    idle time, the bubble. With several chunks per device the second chunk is
+    drawn in lighter colours. The legend lists the kinds of box drawn. ``end``
+    fixes the right end of the time axis (default: the longest timeline), so
+    several figures can share one scale. ``numbers=False`` leaves
     the micro-batch numbers out: a lighter figure, for sliders.
     """
     if not timelines:
@@ -90,15 +121,12 @@ def pipeline_timelines(
     if len(names) != len(timelines):
         raise ValueError(f"titles must hold {len(timelines)} titles, got {len(names)}")
     right = end if end is not None else max(t.makespan for t in timelines)
+    present = {(op.kind, op.chunk % 2) for t in timelines for ops in t.ops for op in ops}
     handles = [
-        Patch(color=PALETTE["blue"], label="forward"),
-        Patch(color=PALETTE["orange"], label="backward"),
+        Patch(color=_FILL[key][0], label=label, **_opacity(_FILL[key][1]))
+        for key, label in _LEGEND.items()
+        if key in present
     ]
-    if any(t.chunks > 1 for t in timelines):
-        handles += [
-            Patch(color=PALETTE["sky"], label="forward, 2nd chunk"),
-            Patch(color=PALETTE["yellow"], label="backward, 2nd chunk"),
-        ]
     handles.append(Patch(color=_IDLE, label="idle (bubble)"))
     columns = min(len(handles), 3)
     # A fixed layout, in inches: constrained layout would measure every label of
@@ -177,4 +205,50 @@ def bubble_curves(
         ax.set_ylim(0, 100)
         ax.set_title("More micro-batches shrink the bubble; more stages grow it")
         ax.legend(title="dots: micro-batches = 4 x stages" if marks else None)
+    return fig
+
+
+def schedule_comparison(
+    timelines: Sequence[Timeline], source: str, title: str | None = None
+) -> Figure:
+    """Two bar panels, one bar per timeline: the bubble (% of the step) and the most
+    micro-batches' activations any device held at once. ``source`` (required) is
+    printed under the panels: where the timelines come from."""
+    if not timelines:
+        raise ValueError("timelines must hold at least 1 timeline, got none")
+    if not source.strip():
+        raise ValueError("source must say where the timelines come from, got ''")
+    names = [SCHEDULE_NAMES.get(t.schedule, t.schedule) for t in timelines]
+    bubbles = [100 * t.bubble for t in timelines]
+    held = [max(t.peak_activations, default=0) for t in timelines]
+    rows = range(len(timelines))
+    colours = [PALETTE["blue"], PALETTE["sky"], PALETTE["red"], PALETTE["green"], PALETTE["purple"]]
+    bar_colours = [colours[i % len(colours)] for i in rows]
+    with plt.rc_context(STYLE):
+        fig = BookFigure(figsize=(7.0, 0.45 * len(timelines) + 1.3), layout="constrained")
+        left, right = fig.subplots(1, 2, sharey=True)
+        for ax, values, label, fmt in (
+            (left, bubbles, "bubble (% of the step)", "{:.0f}%"),
+            (right, held, "peak micro-batches held (any device)", "{:g}"),
+        ):
+            ax.barh(rows, values, color=bar_colours, height=0.6)
+            for row, value in zip(rows, values, strict=True):
+                ax.annotate(
+                    fmt.format(value),
+                    (value, row),
+                    xytext=(3, 0),
+                    textcoords="offset points",
+                    va="center",
+                    fontsize=9,
+                )
+            ax.set_xlabel(label)
+            ax.set_xlim(0, max(values, default=1) * 1.25 or 1)
+        left.set_yticks(list(rows), names)
+        left.invert_yaxis()
+        t = timelines[0]
+        fig.suptitle(
+            title or f"{t.stages} devices, {t.micro_batches} micro-batches: bubble and memory",
+            fontweight="bold",
+        )
+        fig.supxlabel(source, fontsize=7.5, color=MUTED_INK)
     return fig

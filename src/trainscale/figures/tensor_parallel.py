@@ -164,3 +164,43 @@ def time_bars(durations_ms: Mapping[str, float], title: str) -> Figure:
         handles = [Rectangle((0, 0), 1, 1, facecolor=c, label=k) for k, c in _BAR_COLOURS.items()]
         fig.legend(handles=handles, loc="outside lower center", ncol=2)
     return fig
+
+
+_KEPT_COLOURS = {"split": PALETTE["blue"], "whole": PALETTE["orange"]}
+
+
+def activation_memory_bars(
+    kept: Mapping[str, tuple[float, float]], unsplit: float, title: str, unit: str = "MiB"
+) -> Figure:
+    """What one device keeps for backward, one stacked horizontal bar per scheme.
+
+    ``kept`` maps a scheme's label to ``(split, whole)``: the part of its
+    activations divided among the devices and the part every device keeps whole,
+    both in ``unit``. A dashed line marks ``unsplit``, what one device would keep
+    alone; the axis always runs to it, so bars of different figures compare.
+    """
+    if not kept:
+        raise ValueError("kept must name at least 1 scheme, got none")
+    if unsplit <= 0 or any(min(parts) < 0 for parts in kept.values()):
+        raise ValueError("unsplit must be > 0 and every part in kept >= 0")
+    labels = list(kept)
+    with plt.rc_context(STYLE):
+        fig, ax = new_figure((7.0, 1.5 + 0.55 * len(labels)))
+        left = [0.0] * len(labels)
+        for index, (part, colour) in enumerate(_KEPT_COLOURS.items()):
+            sizes = [kept[label][index] for label in labels]
+            name = "split over the devices" if part == "split" else "whole on every device"
+            ax.barh(range(len(labels)), sizes, left=left, color=colour, height=0.6, label=name)
+            left = [a + b for a, b in zip(left, sizes, strict=True)]
+        for row, total in enumerate(left):
+            ax.text(total + unsplit * 0.01, row, f"{total:,.0f} {unit}", va="center", fontsize=9)
+        ax.axvline(unsplit, color=MUTED_INK, lw=1, ls="--")
+        ax.text(unsplit * 1.01, (len(labels) - 1) / 2, "one device\nalone", ha="left",
+                va="center", fontsize=8, color=MUTED_INK)  # fmt: skip
+        ax.set_yticks(range(len(labels)), labels)
+        ax.invert_yaxis()
+        ax.set_xlim(0, unsplit * 1.18)
+        ax.set_xlabel(f"activations kept per device and layer ({unit})")
+        ax.set_title(title)
+        fig.legend(loc="outside lower center", ncol=2)
+    return fig

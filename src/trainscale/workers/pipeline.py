@@ -14,6 +14,11 @@ takes a fixed time, ``forward_s`` in forward and ``backward_s`` in backward,
 by sleeping (a sleeping process leaves the CPU to the others). It also records
 when each of its passes ran: that record is the stage's timeline.
 
+For PyTorch's zero-bubble schedules, which split each backward into the
+gradient of the stage's input and the gradient of its weights, the layer takes
+``weight_s`` of its backward time on a path that only the weight gradient
+follows (:func:`zero_bubble_worker`).
+
 A :class:`SavedTensorMeter` counts, with ``torch.autograd.graph.saved_tensors_hooks``,
 the bytes autograd keeps for backward on each stage (saved minus released), so the
 activations a stage holds are measured, not inferred from the order of its passes.
@@ -35,7 +40,7 @@ from torch import nn
 from trainscale import _checks
 from trainscale.distributed import device, torchrun_main
 from trainscale.memory import mlp_stack
-from trainscale.pipeline import BACKWARD, FORWARD, Op, Timeline, bubble
+from trainscale.pipeline import BACKWARD, FORWARD, INPUT, WEIGHT, Op, Timeline, bubble
 
 WIDTH = 32
 """Features of the reference model used here (small: the real work is simulated)."""
@@ -141,7 +146,24 @@ class _Sleep(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        ctx.layer._run(BACKWARD, ctx.layer.backward_s)
+        layer = ctx.layer
+        kind = INPUT if layer.weight_s else BACKWARD
+        layer._run(kind, layer.backward_s - layer.weight_s)
+        return grad, None
+
+
+class _WeightSleep(torch.autograd.Function):
+    """Identity on the layer's clock weight; its backward, the weight gradient, takes
+    ``weight_s`` and logs it."""
+
+    @staticmethod
+    def forward(ctx, clock: torch.Tensor, layer: SimulatedCompute) -> torch.Tensor:
+        ctx.layer = layer
+        return clock.view_as(clock)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        ctx.layer._run(WEIGHT, ctx.layer.weight_s)
         return grad, None
 
 
@@ -149,14 +171,27 @@ class SimulatedCompute(nn.Module):
     """A layer that returns its input unchanged after ``forward_s`` seconds, and
     passes the gradient back after ``backward_s`` seconds.
 
-    ``events`` lists ``(kind, start, end)`` for every pass, in
-    ``time.perf_counter()`` seconds; :meth:`clear` empties it.
+    With ``weight_s > 0`` the layer also holds a weight, ``clock`` (a zero that
+    the output adds times zero, so the output is unchanged), and ``weight_s`` of
+    the ``backward_s`` is spent computing its gradient, on a path of the graph
+    that only the weight gradient follows: a schedule that splits the backward
+    runs ``backward_s - weight_s`` in the input pass and ``weight_s`` in the
+    weight pass. ``events`` lists ``(kind, start, end)`` for every pass, in
+    ``time.perf_counter()`` seconds (kinds ``"input"`` and ``"weight"`` for the
+    two halves of the backward when ``weight_s > 0``); :meth:`clear` empties it.
     """
 
-    def __init__(self, forward_s: float = 0.0, backward_s: float = 0.0) -> None:
+    def __init__(self, forward_s: float = 0.0, backward_s: float = 0.0, weight_s: float = 0.0):
         super().__init__()
         self.forward_s = _checks.non_negative("forward_s", forward_s)
         self.backward_s = _checks.non_negative("backward_s", backward_s)
+        self.weight_s = _checks.non_negative("weight_s", weight_s)
+        if self.weight_s > self.backward_s:
+            raise ValueError(
+                f"weight_s must be at most backward_s ({backward_s:g}), got {weight_s}"
+            )
+        if self.weight_s:
+            self.clock = nn.Parameter(torch.zeros(()))
         self.events: list[tuple[str, float, float]] = []
 
     def _run(self, kind: str, seconds: float) -> None:
@@ -169,10 +204,15 @@ class SimulatedCompute(nn.Module):
         self.events.clear()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Sleep.apply(x, self)
+        if not self.weight_s:
+            return _Sleep.apply(x, self)
+        # the weight's branch first, so that a full backward runs the input half first
+        weight_branch = 0 * _WeightSleep.apply(self.clock.to(x.dtype), self)
+        return _Sleep.apply(x, self) + weight_branch
 
     def extra_repr(self) -> str:
-        return f"forward_s={self.forward_s:g}, backward_s={self.backward_s:g}"
+        weight = f", weight_s={self.weight_s:g}" if self.weight_s else ""
+        return f"forward_s={self.forward_s:g}, backward_s={self.backward_s:g}{weight}"
 
 
 def reference_model(stages: int, seed: int = 0) -> nn.Sequential:
@@ -193,6 +233,167 @@ def stage_module(
         raise ValueError(f"model must have {BLOCKS_PER_STAGE * k} blocks, got {len(model)}")
     blocks = list(model)[BLOCKS_PER_STAGE * s : BLOCKS_PER_STAGE * (s + 1)]
     return nn.Sequential(*blocks, SimulatedCompute(forward_s, backward_s))
+
+
+def piece_module(
+    model: nn.Sequential,
+    piece: int,
+    pieces: int,
+    forward_s: float,
+    backward_s: float,
+    weight_s: float = 0.0,
+) -> nn.Sequential:
+    """Piece ``piece`` of ``model`` cut into ``pieces`` equal runs of blocks, then the
+    simulated compute (see :class:`SimulatedCompute` for the three times)."""
+    n = _checks.count("pieces", pieces, minimum=1)
+    i = _checks.count("piece", piece)
+    if i >= n:
+        raise ValueError(f"piece must be between 0 and {n - 1}, got {piece}")
+    if len(model) % n:
+        raise ValueError(f"pieces must divide the model's {len(model)} blocks, got {pieces}")
+    size = len(model) // n
+    blocks = list(model)[size * i : size * (i + 1)]
+    return nn.Sequential(*blocks, SimulatedCompute(forward_s, backward_s, weight_s))
+
+
+ZERO_BUBBLE_SCHEDULES = {
+    "1f1b": "Schedule1F1B",
+    "zb-h1": "ScheduleInterleavedZeroBubble",
+    "zb-v": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
+}
+"""The schedules :func:`zero_bubble_worker` runs, by the class of
+``torch.distributed.pipelining`` that runs each (1F1B for comparison)."""
+
+
+def pieces_of_rank(schedule: str, rank: int, world_size: int) -> list[int]:
+    """Which pieces of the model rank ``rank`` holds, and into how many it is cut.
+
+    One piece per rank for 1F1B and ZB-H1; for the V schedules (ZB-V, DualPipeV)
+    ``2K`` pieces, rank ``r`` holding pieces ``r`` and ``2K - 1 - r``: the V.
+    Returns ``[pieces held..., number of pieces]``.
+    """
+    name = _checks.choice("schedule", schedule, tuple(ZERO_BUBBLE_SCHEDULES))
+    k = _checks.count("world_size", world_size, minimum=1)
+    r = _checks.count("rank", rank)
+    if r >= k:
+        raise ValueError(f"rank must be between 0 and {k - 1}, got {rank}")
+    if name in ("1f1b", "zb-h1"):
+        return [r, k]
+    return [r, 2 * k - 1 - r, 2 * k]
+
+
+def zero_bubble_worker(
+    rank: int,
+    world_size: int,
+    schedules: Sequence[str] = ("1f1b", "zb-h1", "zb-v", "dualpipev"),
+    micro_batches: int = 8,
+    forward_s: float = 0.01,
+    backward_s: float = 0.02,
+    weight_s: float = 0.01,
+    repeats: int = 2,
+    seed: int = 0,
+) -> list[dict]:
+    """Time ``repeats`` steps of each schedule on rank ``rank``, in float64.
+
+    The model is :func:`reference_model` in float64, cut as :func:`pieces_of_rank`
+    says; each piece of a V schedule takes half a stage's times. The zero-bubble
+    schedules split each backward into an input pass (``backward_s - weight_s``)
+    and a weight pass (``weight_s``); 1F1B runs whole backwards. A schedule that
+    PyTorch refuses to build is reported, not run: its dict holds ``error``, the
+    exception in one line. Otherwise, as :func:`worker`: ``schedule``,
+    ``micro_batches``, ``chunks``, ``steps`` (per timed step, this rank's passes as
+    ``(kind, micro_batch, start, end, chunk)``), ``losses`` (on the rank that
+    computes the loss) and ``grads`` (named as in :func:`reference`).
+    """
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    m = _checks.count("micro_batches", micro_batches, minimum=1)
+    timed = _checks.count("repeats", repeats, minimum=1)
+    dev = device()
+    x, y = (t.to(dev, torch.float64) for t in batch(m, seed))
+    results = []
+    for name in schedules:
+        *held, pieces = pieces_of_rank(name, rank, world_size)
+        chunks = pieces // world_size
+        split = weight_s if name != "1f1b" else 0.0
+        model = reference_model(world_size, seed).to(torch.float64)
+        modules = [
+            piece_module(model, p, pieces, forward_s / chunks, backward_s / chunks, split / chunks)
+            .to(dev)
+            .to(torch.float64)
+            for p in held
+        ]
+        stages = [PipelineStage(mod, p, pieces, dev) for mod, p in zip(modules, held, strict=True)]
+        kind = getattr(torch_schedules, ZERO_BUBBLE_SCHEDULES[name])
+        try:
+            schedule = kind(
+                stages[0] if name == "1f1b" else stages,
+                n_microbatches=m,
+                loss_fn=nn.functional.mse_loss,
+            )
+        except (ValueError, NotImplementedError) as error:
+            results.append({"schedule": name, "micro_batches": m, "error": _one_line(error)})
+            continue
+        steps, losses = [], []
+        for step in range(1 + timed):  # the first step is the warm-up
+            for mod in modules:
+                mod.zero_grad(set_to_none=True)
+                mod[-1].clear()
+            losses = []
+            inputs = (x,) if 0 in held else ()
+            last = {"target": y, "losses": losses} if pieces - 1 in held else {}
+            dist.barrier()
+            t0 = time.perf_counter()
+            schedule.step(*inputs, **last)
+            if step:
+                steps.append(_chunk_ops(modules, t0))
+        grads = {}
+        for mod, p in zip(modules, held, strict=True):
+            size = len(model) // pieces
+            for n, param in mod.named_parameters():
+                index, rest = n.split(".", 1)
+                if int(index) < size:  # the blocks, not the simulated compute's clock
+                    grads[f"{size * p + int(index)}.{rest}"] = param.grad.detach().cpu()
+        results.append(
+            {
+                "schedule": name,
+                "micro_batches": m,
+                "chunks": chunks,
+                "seed": seed,
+                "steps": steps,
+                "losses": [value.detach().item() for value in losses],
+                "grads": grads,
+            }
+        )
+    dist.barrier()
+    return results
+
+
+def chapter_worker(
+    rank: int, world_size: int, runs: Sequence = (), zero_bubble_runs: Sequence = ()
+) -> tuple[list[dict], list[dict]]:
+    """Chapter 07's real run, in one start of the ranks: :func:`worker` with the
+    arguments ``runs``, then :func:`zero_bubble_worker` with ``zero_bubble_runs``."""
+    return worker(rank, world_size, *runs), zero_bubble_worker(rank, world_size, *zero_bubble_runs)
+
+
+def _one_line(error: BaseException) -> str:
+    """``Kind: message`` on one line."""
+    return f"{type(error).__name__}: {' '.join(str(error).split())}"
+
+
+def _chunk_ops(modules: Sequence[nn.Sequential], t0: float) -> list[tuple]:
+    """This rank's passes on all its pieces, ``(kind, micro_batch, start, end, chunk)``,
+    in the order they started; each piece numbers its passes of each kind in turn."""
+    ops = []
+    for chunk, module in enumerate(modules):
+        seen: dict[str, int] = {}
+        for kind, start, end in module[-1].events:
+            ops.append((kind, seen.get(kind, 0), start - t0, end - t0, chunk))
+            seen[kind] = seen.get(kind, 0) + 1
+    return sorted(ops, key=lambda op: op[2])
 
 
 def batch(micro_batches: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -332,6 +533,24 @@ def timelines(per_rank: Sequence[dict]) -> list[Timeline]:
             len(per_rank),
             first["micro_batches"],
             tuple(tuple(Op(*op) for op in result["steps"][step]) for result in per_rank),
+        )
+        for step in range(len(first["steps"]))
+    ]
+
+
+def zero_bubble_timelines(per_rank: Sequence[dict]) -> list[Timeline]:
+    """The measured :class:`~trainscale.pipeline.Timeline` of each timed step of one
+    schedule run by :func:`zero_bubble_worker`, from each rank's dict for it."""
+    if not per_rank:
+        raise ValueError("per_rank must hold one result per rank, got none")
+    first = per_rank[0]
+    return [
+        Timeline(
+            first["schedule"],
+            len(per_rank),
+            first["micro_batches"],
+            tuple(tuple(Op(*op) for op in result["steps"][step]) for result in per_rank),
+            first["chunks"],
         )
         for step in range(len(first["steps"]))
     ]

@@ -1,0 +1,300 @@
+"""Context parallelism: the sequence split over ranks (chapter 14).
+
+Context parallelism (CP) gives each of ``N`` ranks a slice of every sequence:
+``S / N`` tokens of the queries, keys and values of each layer. Everything but
+attention works token by token, so it needs no communication; attention needs
+every earlier key and value, which the ranks exchange in one of two ways:
+
+* **ring attention** (Liu et al. 2023): each rank keeps its queries and passes
+  its keys and values around a ring of ``N - 1`` steps, combining the partial
+  results with the online softmax; backward passes the keys and values round
+  again, with their gradients, which travel one step more to reach their owner;
+* **all-to-all** (DeepSpeed-Ulysses, Jacobs et al. 2023): four all-to-alls
+  swap the split from the sequence to the heads and back, so each rank runs
+  full-length attention on ``heads / N`` heads.
+
+Causal masking makes the ring uneven: with a contiguous split rank ``r``'s
+queries see the keys of ranks ``0 .. r`` only. The zig-zag layout (each rank
+holds chunks ``r`` and ``2N - 1 - r`` of ``2N``) evens it out.
+
+This module holds the chapter's formulas: which tokens each rank holds
+(:func:`token_positions`), the attention work each rank does
+(:func:`ring_schedule`, :func:`attention_blocks_per_rank`,
+:func:`causal_pairs_per_rank`, :func:`attention_flops_per_rank`), the bytes
+each rank sends (:func:`ring_bytes_per_rank`, :func:`ulysses_bytes_per_rank`),
+and when the ring's traffic hides under its compute, against tensor
+parallelism's (:func:`cp_comm_to_compute`, :func:`cp_beats_tp_local_tokens`).
+"""
+
+from __future__ import annotations
+
+from trainscale import _checks
+from trainscale.collectives import tp_comm_to_compute
+
+LAYOUTS = ("contiguous", "zigzag")
+"""How the sequence is dealt out: in ``N`` contiguous slices, or zig-zag in ``2N`` chunks."""
+
+ATTENTION_FLOPS_PER_PAIR_PER_DIM = 4
+"""FLOPs of forward attention per (query, key) pair and per head dimension:
+``2`` for the score ``q . k`` and ``2`` for adding ``p v`` to the output."""
+
+CAUSAL_WORK_SHARE = 0.5
+"""Share of the score matrix a causal mask keeps (for long sequences)."""
+
+ULYSSES_ALL_TO_ALLS = 4
+"""All-to-alls per layer and per pass in DeepSpeed-Ulysses: queries, keys, values
+in (sequence -> heads), the output back (heads -> sequence); backward the same four."""
+
+
+def _layout(layout: str) -> str:
+    return str(_checks.choice("layout", layout, LAYOUTS))
+
+
+def _ranks_and_length(seq_len: int, ranks: int, layout: str) -> tuple[int, int]:
+    """``(S, N)`` after checking that ``S`` splits evenly into the layout's chunks."""
+    n = _checks.count("ranks", ranks, minimum=1)
+    s = _checks.count("seq_len", seq_len, minimum=1)
+    chunks = n if _layout(layout) == "contiguous" else 2 * n
+    if s % chunks:
+        raise ValueError(f"seq_len must be divisible by {chunks} ({layout} on {n} ranks), got {s}")
+    return s, n
+
+
+def token_positions(seq_len: int, ranks: int, rank: int, layout: str = "contiguous") -> list[int]:
+    """The positions in the sequence of the tokens ``rank`` holds, in its local order.
+
+    ``contiguous``: tokens ``r S/N .. (r+1) S/N - 1``. ``zigzag``: the sequence
+    is cut into ``2N`` chunks of ``c = S / (2N)``; rank ``r`` holds chunk ``r``
+    then chunk ``2N - 1 - r``, so the first rank holds the first and the last chunk.
+    """
+    s, n = _ranks_and_length(seq_len, ranks, layout)
+    r = _checks.count("rank", rank)
+    if r >= n:
+        raise ValueError(f"rank must be a whole number in [0, {n - 1}], got {rank!r}")
+    if layout == "contiguous":
+        local = s // n
+        return list(range(r * local, (r + 1) * local))
+    chunk = s // (2 * n)
+    first, second = r, 2 * n - 1 - r
+    return list(range(first * chunk, (first + 1) * chunk)) + list(
+        range(second * chunk, (second + 1) * chunk)
+    )
+
+
+def ring_schedule(ranks: int, layout: str = "contiguous") -> list[list[tuple[int, float]]]:
+    """What each rank computes at each step of a causal ring: ``[rank][step] = (source, blocks)``.
+
+    At step ``i`` rank ``r`` holds the keys and values of rank ``source = (r - i) mod N``
+    (each step passes them one rank on). ``blocks`` is the work, in blocks of
+    ``(S/N) x (S/N)`` scores (one rank's queries against one rank's keys):
+
+    * step 0, its own keys: the block on the diagonal, computed whole under the
+      causal mask: ``1``;
+    * ``contiguous``: keys of an earlier rank are all visible (``1``), those of a
+      later rank all hidden (``0``, skipped);
+    * ``zigzag``: from an earlier rank, all queries see its first chunk only; from
+      a later rank, only the last chunk of queries sees anything: ``1/2`` either way.
+    """
+    n = _checks.count("ranks", ranks, minimum=1)
+    zigzag = _layout(layout) == "zigzag"
+    schedule = []
+    for rank in range(n):
+        steps = []
+        for step in range(n):
+            source = (rank - step) % n
+            if step == 0:
+                blocks = 1.0
+            elif zigzag:
+                blocks = 0.5
+            else:
+                blocks = 1.0 if source < rank else 0.0
+            steps.append((source, blocks))
+        schedule.append(steps)
+    return schedule
+
+
+def attention_blocks_per_rank(ranks: int, layout: str = "contiguous") -> list[float]:
+    """Attention work of each rank in a causal ring, in blocks of ``(S/N) x (S/N)`` scores.
+
+    The sum over the steps of :func:`ring_schedule`. ``contiguous``: rank ``r``
+    sees the keys of ranks ``0 .. r``, ``r + 1`` blocks, from ``1`` to ``N``.
+    ``zigzag``: ``1 + (N - 1)/2 = (N + 1)/2`` on every rank. Both total
+    ``N (N + 1) / 2`` blocks.
+    """
+    return [sum(blocks for _, blocks in steps) for steps in ring_schedule(ranks, layout)]
+
+
+def causal_pairs_per_rank(seq_len: int, ranks: int, layout: str = "contiguous") -> list[int]:
+    """Visible (query, key) pairs of each rank under the causal mask: its exact score work.
+
+    With ``L = S / N``, contiguous rank ``r`` has ``r L^2 + L (L + 1) / 2``
+    (``r`` full blocks and a triangle). Zig-zag, with ``c = S / (2N)``: chunk
+    ``r`` sees ``r c^2 + c (c + 1) / 2`` pairs and chunk ``2N - 1 - r`` sees
+    ``(2N - 1 - r) c^2 + c (c + 1) / 2``; their sum ``c (S + 1) = S (S + 1) / (2N)``
+    does not depend on ``r``. Both layouts total ``S (S + 1) / 2``.
+    """
+    s, n = _ranks_and_length(seq_len, ranks, layout)
+    if layout == "contiguous":
+        local = s // n
+        return [r * local * local + local * (local + 1) // 2 for r in range(n)]
+    return [s * (s + 1) // (2 * n)] * n
+
+
+def attention_flops_per_rank(
+    seq_len: int, ranks: int, hidden: int, layout: str = "contiguous"
+) -> list[float]:
+    """Forward FLOPs of each rank's attention scores and weighted sums, one layer.
+
+    :func:`causal_pairs_per_rank` times ``4 h`` (``2 d`` for ``q . k`` and ``2 d``
+    for ``p v``, over ``h / d`` heads); backward does about twice as much.
+    """
+    width = _checks.count("hidden", hidden, minimum=1)
+    pairs = causal_pairs_per_rank(seq_len, ranks, layout)
+    return [float(ATTENTION_FLOPS_PER_PAIR_PER_DIM * width * p) for p in pairs]
+
+
+def kv_block_bytes(
+    local_tokens: int, kv_hidden: int, bytes_per_value: float = 2, batch: int = 1
+) -> float:
+    """Bytes of one rank's keys *or* values in one layer: ``b L h_kv`` values.
+
+    ``kv_hidden`` is the width of the keys: ``heads x head_dim`` with plain
+    multi-head attention, ``kv_heads x head_dim`` with grouped-query attention.
+    """
+    tokens = _checks.count("local_tokens", local_tokens, minimum=1)
+    width = _checks.count("kv_hidden", kv_hidden, minimum=1)
+    size = _checks.positive("bytes_per_value", bytes_per_value)
+    return _checks.count("batch", batch, minimum=1) * tokens * width * size
+
+
+def ring_bytes_per_rank(
+    local_tokens: int,
+    ranks: int,
+    kv_hidden: int,
+    bytes_per_value: float = 2,
+    batch: int = 1,
+    backward: bool = False,
+) -> float:
+    """Bytes one rank sends for one layer's ring attention, forward or backward.
+
+    Forward passes the keys and values ``N - 1`` steps: ``2 (N - 1) B`` for
+    ``B`` = :func:`kv_block_bytes`. Backward passes them ``N - 1`` steps again,
+    with their gradients, which take one step more to come home:
+    ``(2 (N - 1) + 2 N) B``. The same for the contiguous and zig-zag layouts.
+    """
+    n = _checks.count("ranks", ranks, minimum=1)
+    block = kv_block_bytes(local_tokens, kv_hidden, bytes_per_value, batch)
+    if n == 1:
+        return 0.0
+    steps = 2 * (n - 1) + (2 * n if _checks.boolean("backward", backward) else 0)
+    return steps * block
+
+
+def ulysses_bytes_per_rank(
+    local_tokens: int,
+    ranks: int,
+    hidden: int,
+    kv_hidden: int | None = None,
+    bytes_per_value: float = 2,
+    batch: int = 1,
+) -> float:
+    """Bytes one rank sends for one layer's all-to-all attention, forward (backward the same).
+
+    Each all-to-all keeps ``1/N`` of a rank's tensor and sends the rest:
+    ``(N - 1)/N`` of ``b L h`` values for the queries and the output, of
+    ``b L h_kv`` for the keys and the values (``kv_hidden``, default ``hidden``).
+    Backward sends the gradients of the same four tensors.
+    """
+    n = _checks.count("ranks", ranks, minimum=1)
+    width = _checks.count("hidden", hidden, minimum=1)
+    kv_width = width if kv_hidden is None else _checks.count("kv_hidden", kv_hidden, minimum=1)
+    per_width = kv_block_bytes(local_tokens, 1, bytes_per_value, batch)
+    return (n - 1) / n * per_width * (2 * width + 2 * kv_width)
+
+
+def ulysses_heads_per_rank(heads: int, ranks: int) -> int:
+    """Heads each rank attends over in DeepSpeed-Ulysses: ``heads / N``, which must be whole.
+
+    The all-to-all hands out whole heads, so the CP degree cannot exceed the
+    number of (key-value) heads and must divide it.
+    """
+    h = _checks.count("heads", heads, minimum=1)
+    n = _checks.count("ranks", ranks, minimum=1)
+    if h % n:
+        raise ValueError(f"heads must be divisible by the CP degree ranks = {n}, got {h}")
+    return h // n
+
+
+def cp_comm_to_compute(
+    local_tokens: int,
+    peak_flops: float,
+    mfu: float,
+    link_bandwidth: float,
+    bytes_per_value: float = 2,
+    kv_share: float = 1.0,
+    causal: bool = True,
+) -> float:
+    """One ring step's key-value transfer time over the attention it overlaps, forward.
+
+    Per head of ``d`` dimensions, a step sends ``2 L d g b`` bytes (keys and
+    values of ``L = local_tokens`` tokens, ``g = kv_share`` the share of
+    key-value heads, ``b = bytes_per_value``) and computes
+    ``f * 4 L^2 d`` FLOPs (``f = 1/2`` under a causal, zig-zag-balanced mask).
+    The ratio
+
+        ``(2 L d g b / B) / (f 4 L^2 d / (peak * mfu)) = g b peak mfu / (2 f L B)``
+
+    is independent of the width: it falls as the local sequence grows. Backward
+    sends twice the bytes for about twice the FLOPs, the same ratio.
+    """
+    tokens = _checks.count("local_tokens", local_tokens, minimum=1)
+    rate = _checks.positive("peak_flops", peak_flops) * _checks.positive("mfu", mfu, maximum=1.0)
+    link = _checks.positive("link_bandwidth", link_bandwidth)
+    size = _checks.positive("bytes_per_value", bytes_per_value)
+    share = _checks.positive("kv_share", kv_share, maximum=1.0)
+    work = CAUSAL_WORK_SHARE if _checks.boolean("causal", causal) else 1.0
+    comm_seconds = 2 * tokens * share * size / link
+    compute_seconds = work * ATTENTION_FLOPS_PER_PAIR_PER_DIM * tokens * tokens / rate
+    return comm_seconds / compute_seconds
+
+
+def cp_hiding_threshold_tokens(
+    peak_flops: float,
+    mfu: float,
+    link_bandwidth: float,
+    bytes_per_value: float = 2,
+    kv_share: float = 1.0,
+    causal: bool = True,
+) -> float:
+    """Local tokens per rank (``S / N``) from which the ring's traffic hides under attention.
+
+    Where :func:`cp_comm_to_compute` is 1: ``L = g b peak mfu / (2 f B)``.
+    """
+    return cp_comm_to_compute(1, peak_flops, mfu, link_bandwidth, bytes_per_value, kv_share, causal)
+
+
+def cp_beats_tp_local_tokens(
+    hidden: int,
+    shards: int,
+    peak_flops: float,
+    mfu: float,
+    link_bandwidth: float,
+    bytes_per_value: float = 2,
+    kv_share: float = 1.0,
+    causal: bool = True,
+) -> float:
+    """Local tokens per rank from which CP's comm-to-compute ratio is below TP's.
+
+    TP's ratio (:func:`trainscale.collectives.tp_comm_to_compute`,
+    ``(t-1)/h * (b/9) * peak * mfu / B``) depends on the width ``h``, not the
+    sequence; CP's is ``T / L`` with ``T`` = :func:`cp_hiding_threshold_tokens`.
+    They cross at ``L = T / ratio_TP``, which for ``g = 1``, causal, is
+    ``9 h / (t - 1)``: long sequences favour CP, wide layers favour TP.
+    """
+    tp_ratio = tp_comm_to_compute(shards, hidden, peak_flops, mfu, link_bandwidth, bytes_per_value)
+    if tp_ratio == 0:
+        raise ValueError(f"shards must be >= 2 for TP to communicate, got {shards}")
+    threshold = cp_hiding_threshold_tokens(
+        peak_flops, mfu, link_bandwidth, bytes_per_value, kv_share, causal
+    )
+    return threshold / tp_ratio

@@ -1,0 +1,126 @@
+"""context: chapter 14's formulas, pinned to hand-worked numbers."""
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from trainscale.collectives import tp_comm_to_compute
+from trainscale.context import (
+    attention_blocks_per_rank,
+    attention_flops_per_rank,
+    causal_pairs_per_rank,
+    cp_beats_tp_local_tokens,
+    cp_comm_to_compute,
+    cp_hiding_threshold_tokens,
+    kv_block_bytes,
+    ring_bytes_per_rank,
+    ring_schedule,
+    token_positions,
+    ulysses_bytes_per_rank,
+    ulysses_heads_per_rank,
+)
+
+
+def test_token_positions_by_hand():
+    # 16 tokens on 4 ranks: contiguous slices of 4; zig-zag chunks of 2, rank r holds r and 7-r.
+    assert token_positions(16, 4, 1) == [4, 5, 6, 7]
+    assert token_positions(16, 4, 0, "zigzag") == [0, 1, 14, 15]
+    assert token_positions(16, 4, 3, "zigzag") == [6, 7, 8, 9]
+
+
+@given(st.integers(1, 8), st.integers(1, 5), st.sampled_from(["contiguous", "zigzag"]))
+def test_every_token_is_held_by_exactly_one_rank(ranks, chunk, layout):
+    seq = 2 * ranks * chunk
+    held = sorted(p for r in range(ranks) for p in token_positions(seq, ranks, r, layout))
+    assert held == list(range(seq))
+
+
+def test_ring_schedule_by_hand():
+    # Contiguous, 3 ranks: rank 1 holds its own keys, then rank 0's (seen), then rank 2's (hidden).
+    assert ring_schedule(3)[1] == [(1, 1.0), (0, 1.0), (2, 0.0)]
+    assert ring_schedule(3, "zigzag")[1] == [(1, 1.0), (0, 0.5), (2, 0.5)]
+
+
+def test_blocks_per_rank_by_hand():
+    assert attention_blocks_per_rank(4) == [1.0, 2.0, 3.0, 4.0]
+    assert attention_blocks_per_rank(4, "zigzag") == [2.5] * 4  # (4 + 1) / 2
+
+
+@given(st.integers(1, 12))
+def test_both_layouts_do_the_same_total_work(ranks):
+    total = ranks * (ranks + 1) / 2
+    assert sum(attention_blocks_per_rank(ranks)) == total
+    assert sum(attention_blocks_per_rank(ranks, "zigzag")) == total
+
+
+def test_causal_pairs_by_hand():
+    # 64 tokens on 4 ranks, L = 16: rank r sees r * 256 + 16 * 17 / 2 = 256 r + 136 pairs.
+    assert causal_pairs_per_rank(64, 4) == [136, 392, 648, 904]
+    # zig-zag, c = 8: chunk r sees 64 r + 36, chunk 7 - r sees 64 (7 - r) + 36: 520 in all.
+    assert causal_pairs_per_rank(64, 4, "zigzag") == [520] * 4
+
+
+def test_attention_flops_by_hand():
+    # 4 h per pair: h = 32 gives 128 FLOPs per pair; rank 0 of 64 tokens on 4 ranks has 136 pairs.
+    assert attention_flops_per_rank(64, 4, 32)[0] == 136 * 128
+    assert attention_flops_per_rank(64, 4, 32, "zigzag") == [520 * 128] * 4
+
+
+@given(st.integers(1, 6), st.integers(1, 6))
+def test_pairs_total_the_causal_triangle(ranks, chunk):
+    seq = 2 * ranks * chunk
+    for layout in ("contiguous", "zigzag"):
+        assert sum(causal_pairs_per_rank(seq, ranks, layout)) == seq * (seq + 1) // 2
+
+
+def test_ring_bytes_by_hand():
+    # b = 1, L = 16, h_kv = 32, 8 bytes: one block of K is 4,096 B.
+    assert kv_block_bytes(16, 32, 8) == 4096
+    assert ring_bytes_per_rank(16, 4, 32, 8) == 6 * 4096  # 2 (N - 1) blocks
+    assert ring_bytes_per_rank(16, 4, 32, 8, backward=True) == 14 * 4096  # 2 (N - 1) + 2 N
+    assert ring_bytes_per_rank(16, 1, 32, 8, backward=True) == 0
+
+
+def test_ulysses_bytes_by_hand():
+    # 4 tensors of 4,096 B, each keeping a quarter: 3/4 * 16,384 = 12,288 B.
+    assert ulysses_bytes_per_rank(16, 4, 32, bytes_per_value=8) == 12288
+    # grouped-query attention: keys and values 8 wide: 3/4 * 16 * 8 * (64 + 16) = 7,680.
+    assert ulysses_bytes_per_rank(16, 4, 32, kv_hidden=8, bytes_per_value=8) == 7680
+
+
+def test_ulysses_head_limit():
+    assert ulysses_heads_per_rank(32, 8) == 4
+    with pytest.raises(ValueError, match="heads must be divisible"):
+        ulysses_heads_per_rank(6, 4)
+
+
+def test_cp_comm_to_compute_by_hand():
+    # g b peak mfu / (2 f L B) = 1 * 2 * 1e15 * 0.4 / (2 * 0.5 * 4096 * 50e9) = 8e14 / 2.048e14.
+    assert cp_comm_to_compute(4096, 1e15, 0.4, 50e9) == pytest.approx(3.90625)
+    assert cp_hiding_threshold_tokens(1e15, 0.4, 50e9) == pytest.approx(16000)
+    assert cp_hiding_threshold_tokens(1e15, 0.4, 50e9, causal=False) == pytest.approx(8000)
+
+
+def test_cp_beats_tp_at_nine_h_over_t_minus_one():
+    # Causal, g = 1: L = 9 h / (t - 1) = 9 * 4096 / 7, whatever the GPU and link.
+    crossing = cp_beats_tp_local_tokens(4096, 8, 1e15, 0.4, 50e9)
+    assert crossing == pytest.approx(9 * 4096 / 7)
+    ratio = cp_comm_to_compute(round(crossing), 1e15, 0.4, 50e9)
+    assert ratio == pytest.approx(tp_comm_to_compute(8, 4096, 1e15, 0.4, 50e9), rel=1e-3)
+
+
+@pytest.mark.parametrize(
+    ("call", "name"),
+    [
+        (lambda: token_positions(10, 4, 0), "seq_len"),
+        (lambda: token_positions(15, 3, 0, "zigzag"), "seq_len"),
+        (lambda: token_positions(16, 4, 4), "rank"),
+        (lambda: ring_schedule(4, "striped"), "layout"),
+        (lambda: ring_bytes_per_rank(0, 4, 8), "local_tokens"),
+        (lambda: cp_comm_to_compute(16, 1e15, 1.5, 50e9), "mfu"),
+        (lambda: cp_beats_tp_local_tokens(4096, 1, 1e15, 0.4, 50e9), "shards"),
+    ],
+)
+def test_bad_arguments_name_themselves(call, name):
+    with pytest.raises(ValueError, match=name):
+        call()

@@ -1,0 +1,256 @@
+"""experts: capacity, routing with drops, the balancing loss, the MoE layer, EP traffic."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from trainscale import experts as ex
+
+# --- capacity and drops ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("tokens", "experts", "top_k", "factor", "expected"),
+    [
+        (16, 8, 2, 1.0, 4),  # 1.0 * 16 * 2 / 8 = 4
+        (64, 8, 2, 1.25, 20),  # 1.25 * 128 / 8 = 20 exactly, no rounding up
+        (10, 4, 1, 1.0, 3),  # 2.5 -> 3
+        (64, 8, 1, 0.5, 4),  # 0.5 * 8 = 4
+        (3, 3, 2, 0.375, 1),  # 0.375 * 6 / 3 = 0.75 -> 1
+    ],
+)
+def test_capacity_by_hand(tokens, experts, top_k, factor, expected):
+    assert ex.expert_capacity(tokens, experts, top_k, factor) == expected
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"tokens": 0, "experts": 4}, "tokens"),
+        ({"tokens": 8, "experts": 0}, "experts"),
+        ({"tokens": 8, "experts": 4, "top_k": 5}, "top_k"),
+        ({"tokens": 8, "experts": 4, "capacity_factor": 0}, "capacity_factor"),
+    ],
+)
+def test_capacity_rejects_bad_arguments(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        ex.expert_capacity(**kwargs)
+
+
+def test_dropped_assignments_by_hand():
+    # over 16: 18 -> 2, 30 -> 14, 19 -> 3, 54 -> 38; the rest fit: 57
+    assert ex.dropped_assignments([18, 30, 0, 19, 4, 54, 3, 0], 16) == 57
+    assert ex.dropped_assignments(torch.tensor([4, 4]), 4) == 0
+    with pytest.raises(ValueError, match="loads"):
+        ex.dropped_assignments([3, -1], 2)
+
+
+# --- routing ----------------------------------------------------------------------------------
+
+PROBABILITIES = torch.tensor(
+    [[0.7, 0.2, 0.1], [0.6, 0.3, 0.1], [0.1, 0.3, 0.6], [0.1, 0.8, 0.1]], dtype=torch.float64
+)
+LOGITS = PROBABILITIES.log()  # softmax(log p) = p, as the rows sum to 1
+
+
+def test_route_picks_top_k_and_renormalises_or_not():
+    kept_all = ex.route(LOGITS, 2, None)
+    assert kept_all.experts.tolist() == [[0, 1], [0, 1], [2, 1], [1, 0]]
+    assert kept_all.gates[0].tolist() == pytest.approx([0.7 / 0.9, 0.2 / 0.9])
+    raw = ex.route(LOGITS, 2, None, renormalise=False)
+    assert raw.gates[0].tolist() == pytest.approx([0.7, 0.2])
+    assert kept_all.dropped == 0
+    assert kept_all.loads.tolist() == [3, 4, 1]
+
+
+def test_first_choices_are_served_before_second_choices():
+    # capacity 1 (0.375 * 4 * 2 / 3 = 1): expert 0 takes token 0 (first choice) and
+    # drops token 1; expert 1 takes token 3's first choice, so token 0's second choice,
+    # earlier in token order, is dropped; expert 2 takes token 2.
+    routing = ex.route(LOGITS, 2, 0.375)
+    assert routing.kept.tolist() == [[True, False], [False, False], [True, False], [True, False]]
+    assert routing.dropped == 5  # 8 assignments, 3 kept
+
+
+def test_each_group_has_its_own_capacity():
+    # two groups of 2 tokens: capacity ceil(1.0 * 2 * 1 / 3) = 1 per expert and group.
+    # Group 0: tokens 0 and 1 both want expert 0, token 1 dropped. Group 1: experts 2 and 1.
+    routing = ex.route(LOGITS, 1, 1.0, groups=2)
+    assert routing.kept[:, 0].tolist() == [True, False, True, True]
+    one_group = ex.route(LOGITS, 1, 1.0)  # capacity ceil(4 / 3) = 2: nothing dropped
+    assert one_group.dropped == 0
+
+
+def test_softmax_over_the_top_k_logits_is_the_renormalised_softmax():
+    """Mixtral's Softmax(TopK(logits)) and GShard's renormalised top-k are one gate."""
+    logits = torch.randn(32, 8, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    routing = ex.route(logits, 2, None)
+    top_logits = logits.gather(1, routing.experts)
+    assert torch.allclose(routing.gates, top_logits.softmax(dim=-1), atol=1e-15)
+
+
+def test_route_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="top_k"):
+        ex.route(LOGITS, 4)
+    with pytest.raises(ValueError, match="groups"):
+        ex.route(LOGITS, 1, groups=5)
+    with pytest.raises(ValueError, match="logits"):
+        ex.route(LOGITS[0], 1)
+
+
+@given(st.integers(1, 40), st.integers(1, 6), st.floats(0.1, 3.0), st.integers(1, 4))
+def test_no_expert_keeps_more_than_its_capacity(tokens, experts, factor, groups):
+    groups = min(groups, tokens)
+    g = torch.Generator().manual_seed(tokens * 7 + experts)
+    logits = torch.randn(tokens, experts, generator=g, dtype=torch.float64)
+    top_k = min(2, experts)
+    routing = ex.route(logits, top_k, factor, groups=groups)
+    for rows in torch.tensor_split(torch.arange(tokens), groups):
+        capacity = ex.expert_capacity(len(rows), experts, top_k, factor)
+        chosen = routing.experts[rows][routing.kept[rows]]
+        kept = torch.bincount(chosen, minlength=experts)
+        assert int(kept.max()) <= capacity
+        offered = torch.bincount(routing.experts[rows].reshape(-1), minlength=experts)
+        assert int((~routing.kept[rows]).sum()) == ex.dropped_assignments(offered, capacity)
+
+
+# --- the balancing loss ---------------------------------------------------------------------
+
+
+def test_balancing_loss_by_hand():
+    probabilities = torch.tensor([[0.7, 0.3], [0.4, 0.6]], dtype=torch.float64)
+    # f = [0.5, 0.5], P = [0.55, 0.45]: 2 * (0.275 + 0.225) = 1.0
+    assert ex.load_balancing_loss(probabilities, torch.tensor([[0], [1]])).item() == 1.0
+    # f = [1, 0]: 2 * 0.55 = 1.1
+    assert ex.load_balancing_loss(probabilities, torch.tensor([[0], [0]])).item() == 1.1
+
+
+def test_balancing_loss_is_one_when_even_and_e_when_collapsed():
+    even = torch.full((8, 4), 0.25, dtype=torch.float64)
+    assert ex.load_balancing_loss(even, torch.tensor([[0, 1], [2, 3]] * 4)).item() == 1.0
+    collapsed = torch.zeros(8, 4, dtype=torch.float64)
+    collapsed[:, 0] = 1.0
+    assert ex.load_balancing_loss(collapsed, torch.zeros(8, 1, dtype=torch.long)).item() == 4.0
+
+
+def test_balancing_loss_gradient_flows_through_the_probabilities_only():
+    logits = torch.zeros(4, 2, dtype=torch.float64, requires_grad=True)
+    loss = ex.load_balancing_loss(logits.softmax(-1), torch.tensor([[0], [0], [0], [1]]))
+    loss.backward()
+    # f = [3/4, 1/4]: the loss grows with P_0, so each token's logit 0 gets a positive
+    # gradient: d/dz0 of 2 * (3/4 p0 + 1/4 p1) / 4 at p = 1/2 is (3/4 - 1/4) * 1/4 / 2 * 2 / 4
+    assert logits.grad[:, 0].tolist() == pytest.approx([1 / 16] * 4)
+    assert logits.grad[:, 1].tolist() == pytest.approx([-1 / 16] * 4)
+
+
+def test_balance_router_evens_the_load_and_leaves_the_experts():
+    layer = ex.MoELayer(8, 16, 8, 2, None)
+    x = ex.sample_tokens(64, 8, skew=2.0)
+    experts_before = layer.w_up.detach().clone()
+    before = layer.route(x).loads
+    losses = ex.balance_router(layer, x, 30)
+    after = layer.route(x).loads
+    assert len(losses) == 31
+    assert losses[-1] < 1.05 < 1.5 < losses[0]
+    assert int(after.max() - after.min()) < int(before.max() - before.min())
+    assert torch.equal(layer.w_up, experts_before)
+
+
+# --- the layer ------------------------------------------------------------------------------
+
+
+def test_layer_sums_the_gated_experts_token_by_token():
+    layer = ex.MoELayer(4, 6, 3, 2, None)
+    x = ex.sample_tokens(5, 4, seed=1)
+    out = layer(x)
+    routing = layer.last_routing
+    for t in range(5):
+        expected = sum(
+            routing.gates[t, s] * layer.expert(int(routing.experts[t, s]), x[t : t + 1])[0]
+            for s in range(2)
+        )
+        assert torch.allclose(out[t], expected, atol=1e-15)
+
+
+def test_a_dropped_assignment_adds_nothing():
+    layer = ex.MoELayer(4, 6, 3, 1, 0.1)  # capacity ceil(0.1 * 6 / 3) = 1 per expert
+    x = ex.sample_tokens(6, 4, seed=2)
+    out = layer(x)
+    dropped = ~layer.last_routing.kept[:, 0]
+    assert int(dropped.sum()) >= 3  # six tokens, at most three kept
+    assert torch.equal(out[dropped], torch.zeros_like(out[dropped]))
+
+
+def test_identical_experts_with_renormalised_gates_act_as_one():
+    layer = ex.MoELayer(4, 6, 4, 4, None)  # every token uses all four experts
+    with torch.no_grad():
+        layer.w_up[:] = layer.w_up[0]
+        layer.w_down[:] = layer.w_down[0]
+    x = ex.sample_tokens(7, 4)
+    assert torch.allclose(layer(x), layer.expert(0, x), atol=1e-14)
+
+
+def test_layer_weights_come_from_the_seed_in_float64():
+    a, b = ex.MoELayer(8, 16, 8, seed=3), ex.MoELayer(8, 16, 8, seed=3)
+    assert a.router.dtype == torch.float64
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+    assert not torch.equal(a.router, ex.MoELayer(8, 16, 8, seed=4).router)
+
+
+def test_parameter_counts_by_hand():
+    # expert: 2 * 8 * 16 = 256; router 8 * 8 = 64; 8 experts: 2,112; 2 per token: 576
+    counts = ex.MoELayer(8, 16, 8, 2).parameter_counts()
+    assert counts == {"total": 2112, "per token": 576}
+    assert counts["total"] == sum(p.numel() for p in ex.MoELayer(8, 16, 8, 2).parameters())
+
+
+def test_layer_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="top_k"):
+        ex.MoELayer(8, 16, 2, top_k=3)
+    with pytest.raises(ValueError, match="capacity_factor"):
+        ex.MoELayer(8, 16, 2, capacity_factor=-1.0)
+    with pytest.raises(ValueError, match="x must be"):
+        ex.MoELayer(8, 16, 2)(torch.zeros(3, 7, dtype=torch.float64))
+
+
+def test_sample_tokens_skew_shifts_every_token_by_the_same_length():
+    plain, skewed = ex.sample_tokens(10, 8), ex.sample_tokens(10, 8, skew=2.5)
+    shift = skewed - plain
+    assert torch.allclose(shift.norm(dim=1), torch.full((10,), 2.5, dtype=torch.float64))
+    assert torch.allclose(shift, shift[0].expand_as(shift))
+    assert plain.dtype == torch.float64
+
+
+# --- expert parallelism: traffic ------------------------------------------------------------
+
+
+def test_all_to_all_bytes_by_hand():
+    # 16 tokens * 8 values * 2 experts * 3/4 leave * 8 bytes = 1,536
+    assert ex.all_to_all_bytes_per_rank(16, 8, 2, 4, 8) == 1536
+    # 4,096 * 7,168 * 8 * 63/64 * 2 = 462,422,016
+    assert ex.all_to_all_bytes_per_rank(4096, 7168, 8, 64) == 462_422_016
+    assert ex.all_to_all_bytes_per_rank(4096, 7168, 8, 1) == 0  # one rank: nothing leaves
+    with pytest.raises(ValueError, match="ep"):
+        ex.all_to_all_bytes_per_rank(16, 8, 2, 0)
+
+
+def test_ep_comm_to_compute_by_hand():
+    # 2 * 2 * 63/64 * 989e12 * 0.4 / (3 * 3 * 2,048 * 50e9) = 1.557675e15 / 9.216e14
+    ratio = ex.ep_comm_to_compute(2048, 64, 989e12, 0.4, 50e9)
+    assert ratio == pytest.approx(1.690185546875)
+    # a plain two-matrix expert does 2/3 of the FLOPs: the ratio grows by 3/2
+    plain = ex.ep_comm_to_compute(2048, 64, 989e12, 0.4, 50e9, matrices_per_expert=2)
+    assert plain == pytest.approx(1.5 * ratio)
+    with pytest.raises(ValueError, match="mfu"):
+        ex.ep_comm_to_compute(2048, 64, 989e12, 1.5, 50e9)
+
+
+def test_ep_ratio_is_the_bytes_formula_over_the_flops():
+    """The closed form agrees with bytes / bandwidth over FLOPs / (peak * MFU), for any h and k."""
+    hidden, top_k, tokens, ep, ffn = 7168, 8, 4096, 64, 2048
+    comm_s = 4 * ex.all_to_all_bytes_per_rank(tokens, hidden, top_k, ep) / 50e9
+    compute_s = 3 * 2 * 3 * hidden * ffn * top_k * tokens / (989e12 * 0.4)
+    assert math.isclose(comm_s / compute_s, ex.ep_comm_to_compute(ffn, ep, 989e12, 0.4, 50e9))

@@ -1,0 +1,77 @@
+"""workers.experts, beyond what notebook 15 checks when it runs the worker on 4 real ranks
+(top-2, renormalised gates, four capacity factors, two routers): the dispatch order, where
+the received rows go, the splits refused before any communication, and one cheap 2-rank
+run of a Switch-style top-1 layer."""
+
+import pytest
+import torch
+
+from trainscale import experts as ex
+from trainscale.distributed import run_ranks
+from trainscale.workers import experts as wx
+
+
+def _state(layer: ex.MoELayer) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in layer.named_parameters()}
+
+
+def test_dispatch_order_groups_rows_by_expert_then_preference_then_token():
+    routing = ex.route(ex.sample_tokens(6, 4) @ ex.MoELayer(4, 4, 4).router.T, 2, None)
+    order = wx._dispatch_order(routing)
+    token, slot = order[:, 0], order[:, 1]
+    experts = routing.experts[token, slot]
+    assert len(order) == 12  # nothing dropped: 6 tokens x 2
+    keys = list(zip(experts.tolist(), slot.tolist(), token.tolist(), strict=True))
+    assert keys == sorted(keys)
+
+
+def test_dropped_assignments_are_not_dispatched():
+    routing = ex.route(ex.sample_tokens(8, 4, skew=3.0) @ ex.MoELayer(4, 4, 4).router.T, 2, 0.5)
+    assert routing.dropped > 0
+    assert len(wx._dispatch_order(routing)) == routing.kept.numel() - routing.dropped
+
+
+def test_received_rows_meet_their_experts():
+    layer = ex.MoELayer(4, 6, 4)
+    rows = ex.sample_tokens(4, 4, seed=5)
+    counts = torch.tensor([[1, 2], [0, 1]])  # rank 0 sends 1 row for my expert 2, 2 for 3; ...
+    out = wx._experts_on_rows(layer, 2, rows, counts)
+    for i, expert in enumerate([2, 3, 3, 3]):
+        assert torch.allclose(out[i], layer.expert(expert, rows[i : i + 1])[0], atol=1e-15)
+
+
+def test_loss_weights_are_fixed_float64():
+    assert torch.equal(wx.loss_weights(4, 3), wx.loss_weights(4, 3))
+    assert wx.loss_weights(4, 3).dtype == torch.float64
+
+
+@pytest.mark.parametrize(
+    ("experts", "tokens", "match"),
+    [(6, 16, "experts must be divisible"), (8, 18, "tokens must be divisible")],
+)
+def test_worker_refuses_uneven_splits_before_communicating(experts, tokens, match):
+    state = _state(ex.MoELayer(4, 4, experts))
+    with pytest.raises(ValueError, match=match):
+        wx.worker(0, 4, (state,), tokens, 1, (1.0,))
+    with pytest.raises(ValueError, match="states"):
+        wx.worker(0, 4, (), tokens, 1, (1.0,))
+
+
+@pytest.mark.slow  # two real gloo ranks
+def test_switch_style_top_1_on_two_ranks_equals_the_one_process_layer():
+    """Top-1 with the raw probability as the gate (not renormalised), as in Switch."""
+    tokens, hidden = 12, 4
+    layer = ex.MoELayer(hidden, 6, 4, 1, 1.0, renormalise=False, groups=2, seed=7)
+    state = _state(layer)
+    results = run_ranks(wx.worker, 2, (state,), tokens, 1, (1.0,), 0, 1.0, False, timeout=120)
+    x = ex.sample_tokens(tokens, hidden, skew=1.0).requires_grad_(True)
+    out = layer(x)
+    (out * wx.loss_weights(tokens, hidden)).sum().backward()
+    got = [r[0][0] for r in results]
+    assert torch.allclose(torch.cat([g["output"] for g in got]), out, atol=1e-12)
+    assert torch.allclose(torch.cat([g["input gradient"] for g in got]), x.grad, atol=1e-12)
+    w_up = torch.cat([g["expert gradients"]["w_up"] for g in got])
+    assert torch.allclose(w_up, layer.w_up.grad, atol=1e-12)
+    assert sum(g["dropped"] for g in got) == layer.last_routing.dropped > 0
+    # the router is replicated: its gradient, summed over both ranks, is the whole one
+    assert all(torch.allclose(g["router gradient"], layer.router.grad, atol=1e-12) for g in got)
