@@ -251,6 +251,66 @@ def test_selective_recompute_flops_is_what_pytorch_recomputes():
     assert extra == selective_recompute_flops(S, B, H) == 2 * B * S * S * H
 
 
+# The same s = 4, b = 2, h = 8, a = 2 (sbh = 64), Llama-shaped: one key/value head,
+# a gated MLP of width 16 = 2h (half of GPT's 4h), fused attention, no dropout.
+LLAMA_SHAPED = {"kv_heads": 1, "ffn_hidden": 16, "gated_mlp": True, "fused_attention": True}
+
+
+@pytest.mark.parametrize(
+    ("tp", "sp", "options", "expected"),
+    [
+        # sbh x (2 norm out + 4 x 3/4 Q,K + 2 x 1/2 V + 2 proj in + 2 norm out
+        #        + 8 x 1/2 x 2 gate,up + 8 x 1/2 product + 4 norm inputs) = 64 x 26,
+        # plus the fp32 row statistic 4 a s b = 64 bytes; no s^2 table, no masks.
+        (1, False, LLAMA_SHAPED | {"dropout": False}, 1_728),
+        # TP 2 without SP: 8 sbh stay whole (512), 18 sbh split (576), statistic 32.
+        (2, False, LLAMA_SHAPED | {"dropout": False}, 1_120),
+        # With SP everything splits: 1,728 / 2.
+        (2, True, LLAMA_SHAPED | {"dropout": False}, 864),
+        # With dropout the three 1-byte masks outside the s^2 table come back: +2 sbh.
+        (1, False, LLAMA_SHAPED, 1_728 + 128),
+        # Grouped-query attention alone: keys and values halve (-2 sbh) of 2,496.
+        (1, False, {"kv_heads": 1}, 2_496 - 128),
+        # A 2h-wide ungated MLP halves the 16 sbh of the MLP's two wide rows.
+        (1, False, {"ffn_hidden": 16}, 2_496 - 512),
+        # Fused attention drops 5 a s^2 b = 320 and keeps 4 a s b = 64.
+        (1, False, {"fused_attention": True}, 2_496 - 320 + 64),
+    ],
+)
+def test_layer_activations_of_non_gpt_layers_by_hand(tp, sp, options, expected):
+    got = layer_activation_bytes(4, 2, 8, 2, tp=tp, sequence_parallel=sp, **options)
+    assert got == expected
+
+
+def test_fused_attention_makes_selective_recomputation_free():
+    shape = {"kv_heads": 8, "ffn_hidden": 28672, "gated_mlp": True, "fused_attention": True}
+    args = (4096, 1, 8192, 64, 8, True)
+    none = layer_activation_bytes(*args, "none", **shape)
+    assert none == layer_activation_bytes(*args, "selective", **shape)
+    assert layer_activation_bytes(*args, "full", **shape) == 2 * 4096 * 8192 / 8
+
+
+def test_gpt_defaults_are_unchanged_by_the_shape_arguments():
+    plain = layer_activation_bytes(2048, 1, 12288, 96, 8, True)
+    shaped = layer_activation_bytes(
+        2048, 1, 12288, 96, 8, True, kv_heads=96, ffn_hidden=4 * 12288, dropout=True
+    )
+    assert plain == shaped == 358_612_992
+
+
+def test_layer_activation_bytes_names_bad_shape_arguments():
+    for kwargs, name in (
+        ({"kv_heads": 3}, "kv_heads"),  # does not divide 2 heads
+        ({"kv_heads": 0}, "kv_heads"),
+        ({"ffn_hidden": 0}, "ffn_hidden"),
+        ({"gated_mlp": 1}, "gated_mlp"),
+        ({"fused_attention": "yes"}, "fused_attention"),
+        ({"dropout": None}, "dropout"),
+    ):
+        with pytest.raises(ValueError, match=name):
+            layer_activation_bytes(4, 1, 8, 2, **kwargs)
+
+
 def test_layer_activation_bytes_names_bad_arguments():
     for kwargs, name in (
         ({"seq_len": 0}, "seq_len"),

@@ -199,17 +199,15 @@ def test_published_utilisations_agree_with_the_planners_step_times():
     from trainscale.compute import PUBLISHED_UTILISATION
     from trainscale.planner import published_runs, reported_mfu_6n
 
-    def key(gpus, layers, seq_len):
-        return gpus, layers, seq_len
-
-    ours = {key(r.gpus, r.shape.layers, r.shape.seq_len): r for r in PUBLISHED_UTILISATION}
+    ours = {r.name: r for r in PUBLISHED_UTILISATION}
     matched = 0
     for run in published_runs():
-        row = ours[key(run.gpus, run.layers, run.seq_len)]
-        # The planner's rows round N as the papers print it (18.4e9, not eq. 2's 18.45e9).
+        if run.name not in ours:  # the planner's calibration set has more rows
+            continue
+        row = ours[run.name]
         assert row.utilisation("6n") == pytest.approx(reported_mfu_6n(run), rel=5e-3)
         matched += 1
-    assert matched == 6
+    assert matched == 15
 
 
 def test_mt_nlg_counted_recomputation_its_step_time_says_so():

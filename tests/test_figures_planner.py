@@ -3,7 +3,12 @@
 import pytest
 
 from trainscale import planner as P
-from trainscale.figures import BookFigure, planner_rejections, planner_top_layouts
+from trainscale.figures import (
+    BookFigure,
+    planner_calibration,
+    planner_rejections,
+    planner_top_layouts,
+)
 
 H100 = P.EXAMPLE_CLUSTER
 
@@ -23,3 +28,40 @@ def test_figures_draw_the_plan(layouts_70b):
     assert [lay.step_seconds for lay in layouts_70b] == before
     with pytest.raises(ValueError, match="layouts"):
         planner_top_layouts([], H100.memory_bytes)
+
+
+def test_calibration_figure_draws_one_range_per_run():
+    fig = planner_calibration(
+        [0.30, 0.40, 0.50], [(0.25, 0.3, 0.35), (0.3, 0.35, 0.4), (0.5, 0.55, 0.6)], ["a", "a", "b"]
+    )
+    assert isinstance(fig, BookFigure) and len(fig.axes) == 1
+    assert len(fig.axes[0].collections) == 2  # one set of range bars per source
+    with pytest.raises(ValueError, match="published"):
+        planner_calibration([0.3], [], ["a"])
+
+
+def test_context_and_expert_traffic_appear_in_the_legend_only_when_spent(layouts_70b):
+    dense = planner_top_layouts(P.top_layouts(layouts_70b, 2), H100.memory_bytes)
+    labels = dense.legends[0].get_texts()
+    assert [text.get_text() for text in labels] == [
+        part
+        for part in P.TIME_PARTS
+        if part not in ("context-parallel traffic", "expert-parallel traffic")
+    ]
+    long = P.Model(
+        params=8_030_261_248,
+        layers=32,
+        hidden=4096,
+        heads=32,
+        seq_len=131072,
+        vocab=128256,
+        kv_heads=8,
+        ffn_hidden=14336,
+        gated_mlp=True,
+        dropout=False,
+    )
+    cluster = P.Cluster(nodes=2, **P.H100_NODE)
+    split = P.evaluate(long, cluster, 8, 8, 1, 1, 1, "none", context_parallel=2)
+    shown = planner_top_layouts([split], cluster.memory_bytes).legends[0].get_texts()
+    assert "context-parallel traffic" in [text.get_text() for text in shown]
+    assert "expert-parallel traffic" not in [text.get_text() for text in shown]

@@ -1,21 +1,24 @@
 """planner: memory, step time and ranking of TP x PP x DP layouts against hand-worked numbers."""
 
+import dataclasses
 import math
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trainscale import checkpointing, collectives, sharding
+from trainscale import checkpointing, collectives, context, experts, sharding
 from trainscale import planner as P
 from trainscale.compute import training_seconds
 from trainscale.memory import model_state_bytes
 
 # The hand-worked numbers below take a batch of 64 sequences (the chapter's example now
 # takes P.EXAMPLE_GLOBAL_BATCH, 1,024; nbval and tests/test_main.py check what it prints).
+SIMPLE = P.KERNEL_EFFICIENCY  # the simple cost model: 6N FLOPs at one efficiency
+
 M70, H100, BATCH = P.EXAMPLE_MODEL, P.EXAMPLE_CLUSTER, 64
 SBH_70B = 4096 * 8192  # s * h for one sequence of the worked example
-RATE = 989e12 * 0.6  # the H100's FLOP/s at the default kernel efficiency
+RATE = 989e12 * 0.6  # the H100's FLOP/s at the simple model's kernel efficiency
 
 
 @pytest.fixture(scope="module")
@@ -82,18 +85,23 @@ def test_uneven_stages_get_the_larger_share_of_layers():
 # --- Activations per GPU: layers x micro-batches in flight ---------------------------------
 
 
+SHAPE_70B = {"fused_attention": True}  # the example model's layer, GPT-shaped otherwise
+
+
 def test_70b_activations_on_the_first_stage_of_tp8_pp4():
-    per_layer = SBH_70B * 34 / 8  # selective recomputation, sequence parallelism, TP 8
+    # Selective recomputation, sequence parallelism, TP 8, and the fused attention
+    # kernel's fp32 row statistic, 4 a s b / t = 4 x 64 x 4096 / 8 bytes.
+    per_layer = SBH_70B * 34 / 8 + 4 * 64 * 4096 / 8
     first = 4 * 20 * per_layer + 4 * SBH_70B / 8  # 4 micro-batches in flight, embedding masks
     last = 20 * per_layer + 4 * SBH_70B / 8 + 4 * 4096 * 32000 / 8  # one in flight, logits
     got = P.activation_bytes_per_gpu(M70, 8, 4, 1, 32, "selective", True)
-    assert got == first == max(first, last) == 11_425_284_096
+    assert got == first == max(first, last) == 11_435_769_856
 
 
 @pytest.mark.parametrize("pp", [2, 4, 8, 16])
 def test_1f1b_first_stage_holds_the_whole_models_layers(pp):
     # Korthikanti et al. 4.2.3: p micro-batches in flight x L/p layers = L layers.
-    per_layer = P.layer_activation_bytes(4096, 1, 8192, 64, 8, True, "selective")
+    per_layer = P.layer_activation_bytes(4096, 1, 8192, 64, 8, True, "selective", **SHAPE_70B)
     extras = pp * SBH_70B / 8
     assert P.activation_bytes_per_gpu(M70, 8, pp, 1, 64, "selective") == 80 * per_layer + extras
     # With fewer micro-batches than stages, only those are in flight.
@@ -102,7 +110,7 @@ def test_1f1b_first_stage_holds_the_whole_models_layers(pp):
 
 def test_interleaved_schedule_holds_korthikanti_extra_share():
     # v = 2 chunks per GPU, p = 4: L (1 + (p-1)/(p v)) = 80 x 11/8 = 110 layers.
-    per_layer = P.layer_activation_bytes(4096, 1, 8192, 64, 8, True, "selective")
+    per_layer = P.layer_activation_bytes(4096, 1, 8192, 64, 8, True, "selective", **SHAPE_70B)
     got = P.activation_bytes_per_gpu(M70, 8, 4, 1, 64, "selective", virtual_stages=2)
     assert got == 110 * per_layer + 4 * SBH_70B / 8
 
@@ -119,7 +127,7 @@ def test_effective_batch_is_micro_batch_times_accumulation_times_dp():
 
 
 def test_compute_is_6nd_at_the_achievable_rate():
-    layout = P.evaluate(M70, H100, BATCH, 8, 1, 8, 0, "none", 1)
+    layout = P.evaluate(M70, H100, BATCH, 8, 1, 8, 0, "none", 1, efficiency=SIMPLE)
     expected = training_seconds(70e9, BATCH * 4096, 64, 989e12, 0.6)
     assert layout.times["compute"] == pytest.approx(expected, rel=1e-12)
     assert expected == pytest.approx(2.899, abs=1e-3)
@@ -127,12 +135,12 @@ def test_compute_is_6nd_at_the_achievable_rate():
 
 
 def test_full_recomputation_costs_one_more_forward_pass():
-    layout = P.evaluate(M70, H100, BATCH, 8, 4, 2, 1, "full", 1)
+    layout = P.evaluate(M70, H100, BATCH, 8, 4, 2, 1, "full", 1, efficiency=SIMPLE)
     assert layout.times["recomputation"] == pytest.approx(layout.times["compute"] / 3)
 
 
 def test_selective_recomputation_costs_the_attention_scores_again():
-    layout = P.evaluate(M70, H100, BATCH, 8, 4, 2, 1, "selective", 1)
+    layout = P.evaluate(M70, H100, BATCH, 8, 4, 2, 1, "selective", 1, efficiency=SIMPLE)
     per_micro = 2 * 4096**2 * 8192 * 20 / 8 / RATE  # Q K^T: 2bs^2h FLOPs per layer, 20 layers
     assert layout.times["recomputation"] == pytest.approx(32 * per_micro, rel=1e-12)
     assert layout.times["recomputation"] / layout.times["compute"] == pytest.approx(
@@ -142,18 +150,20 @@ def test_selective_recomputation_costs_the_attention_scores_again():
 
 def test_tensor_parallel_traffic_of_the_worked_example():
     # 32 micro-batches x 20 layers x 4 all-reduces x 2(7/8) x 2sbh bytes over 450 GB/s NVLink.
-    layout = P.evaluate(M70, H100, BATCH, 8, 4, 2, 1, "selective", 1)
+    layout = P.evaluate(M70, H100, BATCH, 8, 4, 2, 1, "selective", 1, efficiency=SIMPLE)
     expected = 32 * 20 * 4 * 1.75 * 2 * SBH_70B / 450e9
     assert layout.times["tensor-parallel traffic"] == pytest.approx(expected, rel=1e-12)
     assert expected == pytest.approx(0.668, abs=1e-3)
-    full = P.evaluate(M70, H100, BATCH, 8, 4, 2, 1, "full", 1)  # the recomputed forward repeats 2
+    full = P.evaluate(
+        M70, H100, BATCH, 8, 4, 2, 1, "full", 1, efficiency=SIMPLE
+    )  # the recomputed forward repeats 2
     assert full.times["tensor-parallel traffic"] == pytest.approx(1.5 * expected, rel=1e-12)
 
 
 def test_data_parallel_all_reduce_hides_under_the_last_backward():
     # ZeRO-0, DP 2 across nodes: 2 x (1/2) x 2 bytes x 2,203,884,000 parameters at 50 GB/s,
     # minus the backward (and recomputation) of one micro-batch on the stage.
-    layout = P.evaluate(M70, H100, BATCH, 8, 4, 2, 0, "selective", 1)
+    layout = P.evaluate(M70, H100, BATCH, 8, 4, 2, 0, "selective", 1, efficiency=SIMPLE)
     all_reduce = 2 * 0.5 * 2 * 2_203_884_000 / 50e9
     compute = 6 * 70e9 * 4096 / 32 / RATE
     window = 2 / 3 * compute + 2 * 4096**2 * 8192 * 20 / 8 / RATE
@@ -175,7 +185,10 @@ def test_zero_traffic_per_stage_relative_to_an_all_reduce(micro_batches):
     # reduce-scatter per extra micro-batch; ZeRO-3 moves 3 halves per micro-batch,
     # 1.5 times ZeRO-0 when there is one micro-batch.
     batch = 4 * micro_batches  # DP 4, micro-batch 1
-    dp = [P.evaluate(SMALL, _bare(), batch, 1, 1, 4, z, "none", 1) for z in range(4)]
+    dp = [
+        P.evaluate(SMALL, _bare(), batch, 1, 1, 4, z, "none", 1, efficiency=SIMPLE)
+        for z in range(4)
+    ]
     traffic = [lay.times["data-parallel traffic"] for lay in dp]
     m = micro_batches
     assert traffic[1] == pytest.approx(traffic[0], rel=1e-9)
@@ -190,13 +203,15 @@ def test_zero_traffic_per_stage_relative_to_an_all_reduce(micro_batches):
 
 
 def test_bubble_share_is_gpipes_formula_without_data_parallelism():
-    layout = P.evaluate(M70, H100, BATCH, 8, 8, 1, 0, "selective", 1)  # m = 64
+    layout = P.evaluate(M70, H100, BATCH, 8, 8, 1, 0, "selective", 1, efficiency=SIMPLE)  # m = 64
     assert layout.bubble == pytest.approx(7 / (64 + 7), rel=1e-12)
     assert layout.verdict == "fits"
-    flagged = P.evaluate(M70, H100, BATCH, 8, 8, 1, 0, "selective", 8)  # m = 8
+    flagged = P.evaluate(M70, H100, BATCH, 8, 8, 1, 0, "selective", 8, efficiency=SIMPLE)  # m = 8
     assert flagged.bubble == pytest.approx(7 / 15, rel=1e-12)
     assert "bubble too large" in flagged.problems
-    interleaved = P.evaluate(M70, H100, BATCH, 8, 8, 1, 0, "selective", 8, virtual_stages=2)
+    interleaved = P.evaluate(
+        M70, H100, BATCH, 8, 8, 1, 0, "selective", 8, virtual_stages=2, efficiency=SIMPLE
+    )
     assert interleaved.bubble == pytest.approx(7 / (2 * 8 + 7), rel=1e-12)
 
 
@@ -381,19 +396,29 @@ def test_nodes_come_from_the_gpu_table():
         "peak_flops": 989e12,
         "intra_node_bandwidth": 450e9,
         "inter_node_bandwidth": 50e9,
+        "memory_bandwidth": 3.35e12,  # HBM3, H100 SXM datasheet
+        "multiprocessors": 132,
     }
     assert P.A100_NODE["peak_flops"] == 312e12 and P.A100_NODE["inter_node_bandwidth"] == 25e9
     assert P.A100_NODE["memory_bytes"] == 80 * 2**30  # 81,920 MiB: exactly 80 GiB
 
 
+def _run(name: str) -> P.PublishedRun:
+    return next(run for run in P.published_runs() if run.name == name)
+
+
+MEGATRON_1T = "GPT 1008.0B on 3,072 A100s"
+LLAMA_8K = "Llama 3 405B on 8,192 H100s, 8K tokens"
+
+
 def test_published_runs_become_planner_models_and_clusters():
     runs = P.published_runs()
     assert all(isinstance(run, P.PublishedRun) for run in runs)
-    megatron_1t, llama = runs[3], runs[4]
+    megatron_1t, llama = _run(MEGATRON_1T), _run(LLAMA_8K)
     model = P.published_model(megatron_1t)
     assert model.tied_embeddings and model.embedding_params == 51200 * 25600
     assert (model.params, model.layers, model.hidden, model.heads) == (
-        1_008 * 10**9,
+        1_008_038_707_200,  # eq. 2: 12 l h^2 + 13 l h + (V + s) h
         128,
         25600,
         160,
@@ -403,32 +428,110 @@ def test_published_runs_become_planner_models_and_clusters():
     assert cluster.inter_node_bandwidth == 25e9 and cluster.intra_node_bandwidth == 300e9
     assert not P.published_model(llama).tied_embeddings
     assert P.published_cluster(llama).gpus == 8192
+    assert P.published_model(llama).fused_attention and not model.fused_attention
+    assert (P.published_model(llama).kv_heads, P.published_model(llama).gated_mlp) == (8, True)
 
 
 def test_megatron_counts_recomputation_so_its_52_percent_is_39_in_6n_terms():
-    run = P.published_runs()[3]
+    run = _run(MEGATRON_1T)
     # Equation 3 per token: 96 L h^2 (1 + s/(6h) + V/(16 L h)); 163 of 312 TFLOP/s.
     per_token = 96 * 128 * 25600**2 * (1 + 2048 / (6 * 25600) + 51200 / (16 * 128 * 25600))
-    assert P.reported_mfu_6n(run) == pytest.approx(163 / 312 * 6 * 1.008e12 / per_token, rel=1e-12)
+    n = 1_008_038_707_200
+    assert P.reported_mfu_6n(run) == pytest.approx(163 / 312 * 6 * n / per_token, rel=1e-12)
+    assert P.reported_mfu(run) == P.reported_mfu_6n(run)
     assert P.reported_mfu_6n(run) == pytest.approx(0.387, abs=1e-3)
 
 
 def test_llama3_mfu_adds_the_attention_flops():
-    run = P.published_runs()[4]
+    run = _run(LLAMA_8K)
     six_n = 6 * 405e9
     expected = 430 / 989 * six_n / (six_n + 12 * 126 * 16384 * 8192)
     assert P.reported_mfu_6n(run) == pytest.approx(expected, rel=1e-12)
     assert P.reported_mfu_6n(run) == pytest.approx(0.401, abs=1e-3)
 
 
-@pytest.mark.parametrize("index", [1, 3, 4])
-def test_estimates_for_published_runs_use_their_shape(index):
-    run = P.published_runs()[index]
-    layout = P.estimate_run(run)
+@pytest.mark.parametrize("name", [MEGATRON_1T, LLAMA_8K, "GPT 174.6B on 768 A100s, ZeRO-3"])
+def test_estimates_for_published_runs_use_their_shape(name):
+    run = _run(name)
+    estimate = P.estimate_run(run)
+    layout = estimate.layout
     assert layout.shape == (run.tp, run.pp, run.dp)
-    assert layout.recompute == run.recompute
-    assert layout.zero_stage == run.zero_stage
-    assert 0 < layout.mfu < P.KERNEL_EFFICIENCY
+    assert layout.recompute == run.recompute and layout.zero_stage == run.zero_stage
+    assert 0 < estimate.mfu_low <= estimate.mfu <= estimate.mfu_high < 1
+    assert estimate.times is layout.times and estimate.memory_bytes == layout.memory_bytes
+
+
+def test_gemm_roofline_and_waves_by_hand():
+    # 8192 x 8192 x 8192 on 128 SMs: 32 x 64 = 2,048 tiles of 256 x 128 = 16 full waves,
+    # 2 x 8192^3 = 1.1e12 FLOPs at 0.5 x 1e15 = 2.2 ms; its 3 x 2 x 8192^2 = 403 MB at
+    # 3.35e12 B/s take 0.12 ms: compute bound, no wave wasted.
+    full = P.gemm_seconds(8192, 8192, 8192, 1e15, 3.35e12, 0.5, multiprocessors=128)
+    assert full == pytest.approx(2 * 8192**3 / 0.5e15)
+    # 132 SMs: 2,048 tiles take 16 waves (15.5 rounded up), as long as 16 x 132 tiles.
+    waves = P.gemm_seconds(8192, 8192, 8192, 1e15, 3.35e12, 0.5, multiprocessors=132)
+    assert waves == pytest.approx(16 * 132 * 2 * 256 * 128 * 8192 / 0.5e15)
+    # Q K^T of one head, s = 8192, d = 128: 17.2 GFLOPs take 34 us at 0.5 PFLOP/s, but
+    # its 2 (2 x 8192 x 128 + 8192^2) = 138 MB take 41 us: memory bound.
+    qk = P.gemm_seconds(8192, 128, 8192, 1e15, 3.35e12, 0.5, multiprocessors=128)
+    assert qk == pytest.approx(2 * (2 * 8192 * 128 + 8192**2) / 3.35e12)
+    with pytest.raises(ValueError, match="share"):
+        P.gemm_seconds(1, 1, 1, 1e15, 1e12, 1.5)
+    with pytest.raises(ValueError, match="multiprocessors"):
+        P.gemm_seconds(1, 1, 1, 1e15, 1e12, 0.5, multiprocessors=0)
+
+
+def test_zero3_regathers_under_full_recompute_and_pays_ring_latency():
+    # 1e9 parameters per GPU over DP 4: the forward gather sends 3/4 x 2e9 bytes,
+    # 1.5 s at 1e9 B/s; 10 layers x (3 collectives + the regather) x 3 ring steps x 5 us.
+    regather, latency = P._zero3_extra(10**9, 4, 3, "full", 10, 1e9)
+    assert regather == pytest.approx(1.5) and latency == pytest.approx(10 * 4 * 3 * 5e-6)
+    assert P._zero3_extra(10**9, 4, 3, "selective", 10, 1e9)[0] == 0.0
+    assert P._zero3_extra(10**9, 4, 1, "full", 10, 1e9) == (0.0, 0.0)
+
+
+def calibration_table() -> tuple[str, dict[str, float]]:
+    """The planner against every published run: the table and the issue's five targets."""
+    lines, ratios, inside, spans, fits, top5 = [], [], 0, [], 0, 0
+    runs = P.published_runs()
+    for run in runs:
+        e = P.estimate_run(run)
+        published = P.reported_mfu(run)
+        ratios.append(e.mfu / published)
+        inside += e.mfu_low <= published <= e.mfu_high
+        spans.append(e.mfu_high / e.mfu_low)
+        fits += e.fits
+        top5 += e.rank is not None and e.rank <= 5
+        lines.append(
+            f"{run.name:46s} {published:6.1%} {e.mfu:6.1%} [{e.mfu_low:5.1%}, {e.mfu_high:5.1%}]"
+            f" {e.memory_bytes / 2**30:6.1f} GiB rank {e.rank}"
+        )
+    n = len(runs)
+    ordered = sorted(abs(r - 1) for r in ratios)
+    summary = {
+        "coverage": inside / n,
+        "median error": (ordered[(n - 1) // 2] + ordered[n // 2]) / 2,
+        "widest range": max(spans),
+        "within 1.35": sum(span <= 1.35 for span in spans) / n,
+        "fits": fits / n,
+        "top 5": top5 / n,
+    }
+    return "\n".join(lines), summary
+
+
+def test_calibration_against_published_runs(capsys):
+    """The issue's targets: coverage >= 90 %, median error <= 10 %, ranges <= 1.35,
+    every layout fits, published shape in the top 5 for >= 70 %. Printed (pytest -s);
+    asserted at what the model achieves today, so a regression fails."""
+    table, summary = calibration_table()
+    with capsys.disabled():
+        print("\n" + table)
+        print({key: round(value, 3) for key, value in summary.items()})
+    assert len(P.published_runs()) == 34
+    assert summary["median error"] <= 0.075  # target 0.10: met (0.0746 today)
+    assert summary["top 5"] == 1.0  # target 0.70: met
+    assert summary["coverage"] >= 30 / 34  # target 0.90: not met (see chapter 13)
+    assert summary["within 1.35"] >= 25 / 34  # target 1.0: not met (see chapter 13)
+    assert summary["fits"] == 1.0  # target met
 
 
 # --- Bad arguments ---------------------------------------------------------------------------
@@ -462,6 +565,8 @@ def test_bad_model_arguments_are_named(kwargs, name):
         ("peak_flops", math.inf),
         ("intra_node_bandwidth", -1),
         ("inter_node_bandwidth", "fast"),
+        ("memory_bandwidth", 0),
+        ("multiprocessors", 0),
     ],
 )
 def test_bad_cluster_arguments_are_named(field, value):
@@ -520,20 +625,24 @@ def test_invalid_layouts_say_why():
     layout = P.evaluate(odd, _bare(), 8, 4, 1, 1)
     assert "TP 4 does not divide the 3" in layout.notes[0]
     assert layout.problems == ("invalid", "TP across nodes")  # 4 GPUs per group, 2 per node
-    layout = P.evaluate(odd, _bare(), 8, 1, 4, 1)
-    assert "4 pipeline chunks for 2 layers" in layout.notes[0]
+    layout = P.evaluate(odd, _bare(), 8, 1, 4, 1, virtual_stages=2)  # 8 > 2 layers + 2 ends
+    assert "8 pipeline chunks for 2 layers" in layout.notes[0]
 
 
 @pytest.mark.parametrize(
     ("call", "name"),
     [
-        (lambda: P.stage_params(M70, 1, 81), "pp x virtual_stages"),
+        (lambda: P.stage_params(M70, 1, 83), "pp x virtual_stages"),  # > 80 layers + 2
         (lambda: P.stage_params("70B", 1, 1), "model"),
         (lambda: P.model_state_per_gpu(M70, 8, 4, 2, 5), "zero_stage"),
         (lambda: P.activation_bytes_per_gpu(M70, 8, 4, 1, 0), "micro_batches"),
         (lambda: P.top_layouts([], 0), "count"),
         (lambda: P.reported_mfu_6n({"model": M70}), "run"),
         (lambda: P.estimate_run({}), "run"),
+        (lambda: P.reported_mfu(None), "run"),
+        (lambda: P.Model(1e9, 8, 1024, 8, 512, 1000, kv_heads=0), "kv_heads"),
+        (lambda: P.Model(1e9, 8, 1024, 8, 512, 1000, fused_attention=1), "fused_attention"),
+        (lambda: P.plan(M70, H100, 64, efficiency=2.0), "efficiency"),
         (lambda: P.node_settings("V100", 25e9), "gpu"),
     ],
 )
@@ -545,8 +654,245 @@ def test_bad_helper_arguments_are_named(call, name):
 @pytest.mark.parametrize("tp", [2, 4, 8])
 def test_tensor_parallel_traffic_uses_chapter_04s_ring(tp):
     # 4 all-reduces of 2 s b h bytes per layer and micro-batch, ring_factor(t) of each sent.
-    layout = P.evaluate(M70, H100, BATCH, tp, 1, 64 // tp, 1, "none", 1)
+    layout = P.evaluate(M70, H100, BATCH, tp, 1, 64 // tp, 1, "none", 1, efficiency=SIMPLE)
     per_layer = 4 * collectives.ring_factor(tp) * 2 * SBH_70B / 450e9
     assert layout.times["tensor-parallel traffic"] == pytest.approx(
         layout.accumulation * 80 * per_layer, rel=1e-12
     )
+
+
+# --- Round 2: layer shape, balanced ends, ZeRO-3 prefetch, zero-bubble schedule -------------
+
+
+def test_the_planner_passes_the_models_layer_shape_to_chapter_09s_table():
+    llama = P.Model(
+        params=8e9, layers=32, hidden=4096, heads=32, seq_len=8192, vocab=128000,
+        kv_heads=8, ffn_hidden=14336, gated_mlp=True, dropout=False,
+    )  # fmt: skip
+    # s b h = 8192 x 4096; per token 2 + 2 + 2 x 8/32 x 2 ... by the table's rows:
+    # norm out 2, Q 2, K 0.5, V 0.5, proj in 2, norm out 2, gate+up 2 x 2 x 3.5 = 14,
+    # product 7, norm inputs 4 = 34 sbh, plus the row statistic 4 a s b; SP over TP 8.
+    sbh = 8192 * 4096
+    per_layer = (34 * sbh + 4 * 32 * 8192) / 8
+    assert P.layer_activation_bytes(8192, 1, 4096, 32, 8, True, **llama.layer_shape) == per_layer
+    # PP 1: every layer once, the logits and the last norm's inputs, no dropout masks.
+    got = P.activation_bytes_per_gpu(llama, 8, 1, 1, 1, "none", True)
+    assert got == 32 * per_layer + 4 * sbh / 8 + 4 * 8192 * 128000 / 8
+
+
+def test_the_embedding_and_output_layer_may_take_a_chunk_each():
+    # 6 layers over PP 4 x 2 chunks = 8 slots: the first chunk holds only the embedding
+    # and the last only the output layer, as Llama 3 balanced its pipeline.
+    small = P.Model(params=2e8, layers=6, hidden=512, heads=8, seq_len=256, vocab=1000)
+    assert P.stage_params(small, 1, 4, 2) > 0
+    with pytest.raises(ValueError, match="layers \\+ 2"):
+        P.stage_params(small, 1, 4, 3)  # 12 chunks > 6 + 2
+
+
+def test_zero3_prefetch_exposes_only_what_outlasts_each_layer():
+    # 4 layers, 1,000 parameters per GPU over 2 GPUs at 1 byte/s: a gather sends
+    # 2 x 1,000 x 1/2 = 1,000 bytes, 250 s per layer; a reduce-scatter the same.
+    exposed = P._zero3_prefetch(1000, 2, "none", 4, 1.0, forward=400.0, backward=1600.0)
+    # forward: first gather 250 + 3 x max(0, 250 - 100) = 700; backward: first gather
+    # 250 + 3 x max(0, 250 + 250 - 400) + last reduce-scatter 250 = 800.
+    assert exposed == 700 + 800
+    # Enough compute hides every gather but the first and the last reduce-scatter.
+    assert P._zero3_prefetch(1000, 2, "none", 4, 1.0, 4000.0, 8000.0) == 250 + 250 + 250
+
+
+def test_zero_bubble_schedule_idles_less_than_1f1b():
+    args = (P.EXAMPLE_MODEL, P.EXAMPLE_CLUSTER, 64, 8, 4, 2, 1, "selective", 1)
+    one_f_one_b = P.evaluate(*args)
+    zero_bubble = P.evaluate(*args, schedule="zb-h1")
+    m = one_f_one_b.accumulation
+    assert m == 32 and 0 < one_f_one_b.bubble <= 3 / 35  # (p-1)/(m+p-1) of the pipeline's time
+    assert zero_bubble.bubble < one_f_one_b.bubble / 2
+    assert zero_bubble.memory_bytes == one_f_one_b.memory_bytes
+    interleaved = P.evaluate(*args, virtual_stages=2, schedule="zb-h1")
+    assert interleaved.verdict == "invalid" and "ZB-H1" in interleaved.notes[0]
+    with pytest.raises(ValueError, match="schedule"):
+        P.evaluate(*args, schedule="zb-v")
+
+
+def test_fp32_gradients_double_the_gradient_bytes_in_memory_and_on_the_wire():
+    args = (P.EXAMPLE_MODEL, P.EXAMPLE_CLUSTER, 64, 8, 4, 2, 0, "selective", 1)
+    bf16, fp32 = P.evaluate(*args), P.evaluate(*args, fp32_gradients=True)
+    assert fp32.memory_parts["gradients"] == 2 * bf16.memory_parts["gradients"]
+    assert fp32.memory_parts["weights"] == bf16.memory_parts["weights"]
+    # 1,000 parameters over 2 GPUs at 1 byte/s: a ring all-reduce sends 2 x (1/2) x 1,000
+    # values, 4,000 bytes in fp32 (2,000 in bf16), all exposed with no compute to hide under.
+    assert P._data_parallel_seconds(1000, 2, 0, 1.0, 0.0, 0.0, 4) == (0.0, 4000.0)
+    assert P._data_parallel_seconds(1000, 2, 0, 1.0, 0.0, 0.0, 2) == (0.0, 2000.0)
+
+
+def test_zero2_reduce_scatter_hides_under_the_next_micro_batch_too():
+    # 1,000 parameters over 2 GPUs at 1 byte/s: the reduce-scatter and the all-gather
+    # each send 1,000 bytes (1,000 s). Forward 100 s, backward 300 s.
+    # One micro-batch: the reduce-scatter has the backward only (700 exposed), the
+    # all-gather of updated weights the next forward (900, once per step).
+    assert P._data_parallel_seconds(1000, 2, 2, 1.0, 100.0, 300.0, 2, 1) == (700.0, 900.0)
+    # Many: all but the last reduce-scatter run under the next forward too (600 each);
+    # the last exposes 100 more, once, beside the all-gather's 900.
+    assert P._data_parallel_seconds(1000, 2, 2, 1.0, 100.0, 300.0, 2, 8) == (600.0, 1000.0)
+
+
+# --- Context and expert parallelism (chapters 14 and 15) -------------------------------------
+
+LONG_8B = P.Model(  # Llama 3 8B's shape at 131,072 tokens
+    params=8_030_261_248,
+    layers=32,
+    hidden=4096,
+    heads=32,
+    seq_len=131072,
+    vocab=128256,
+    kv_heads=8,
+    ffn_hidden=14336,
+    gated_mlp=True,
+    dropout=False,
+)
+MIXTRAL = P.Model(  # Mixtral 8x7B's shape: 8 SwiGLU experts of width 14,336, top-2
+    params=46_702_792_704,
+    layers=32,
+    hidden=4096,
+    heads=32,
+    seq_len=4096,
+    vocab=32000,
+    kv_heads=8,
+    ffn_hidden=14336,
+    gated_mlp=True,
+    dropout=False,
+    experts=8,
+    top_k=2,
+)
+TWO_NODES = P.Cluster(nodes=2, **P.H100_NODE)
+
+
+def test_cp_is_tried_only_where_chapter_14_says_it_helps():
+    # g = 8/32: the ring hides from g x 2 x 989e12 x 0.6 / (2 x 0.5 x 50e9) = 5,934 local
+    # tokens and beats TP c from 9 x 4096 x g / (c - 1) = 9,216 / (c - 1): c = 16 leaves
+    # 8,192 tokens (enough), c = 32 leaves 4,096 (too few).
+    assert P.context_parallel_degrees(LONG_8B, P.Cluster(nodes=4, **P.H100_NODE)) == (
+        1,
+        2,
+        4,
+        8,
+        16,
+    )
+    assert P.context_parallel_degrees(LONG_8B, TWO_NODES) == (1, 2, 4, 8, 16)
+    # 70B at 4,096 tokens, plain attention: TP 2's threshold is 9 x 8192 = 73,728 tokens.
+    assert P.context_parallel_degrees(M70, H100) == (1,)
+    unfused = dataclasses.replace(LONG_8B, fused_attention=False)
+    assert P.context_parallel_degrees(unfused, TWO_NODES) == (1,)
+
+
+def test_a_128k_token_model_picks_context_parallelism():
+    best = P.top_layouts(P.plan(LONG_8B, TWO_NODES, 8), 1)[0]
+    assert best.cp > 1 and best.gpus == 16 and "CP" in best.name
+
+
+def test_ring_attention_traffic_by_hand():
+    # TP 8 x CP 2 on two nodes: the ring crosses the network (50e9 B/s). Per layer and
+    # micro-batch one rank sends 2 (c-1) B forward and (2 (c-1) + 2 c) B backward, with
+    # B = 65,536 tokens x 128 (one key-value head per TP rank) x 2 bytes; half of it
+    # hides (OVERLAP's central 0.5, the attention lasts longer than the transfer).
+    lay = P.evaluate(LONG_8B, TWO_NODES, 8, 8, 1, 1, 1, "none", context_parallel=2)
+    block = 65536 * 128 * 2
+    assert block == context.kv_block_bytes(65536, 128)
+    hand = 8 * 32 * 0.5 * (2 + 6) * block / 50e9  # 8 micro-batches, 32 layers
+    assert lay.times["context-parallel traffic"] == pytest.approx(hand, rel=1e-12)
+    assert lay.times["expert-parallel traffic"] == 0.0
+    # every term per GPU shrinks with the sequence split
+    assert lay.memory_parts["activations"] == pytest.approx(
+        P.activation_bytes_per_gpu(LONG_8B, 8, 1, 1, 8, "none", context_parallel=2)
+    )
+
+
+def test_moe_parameters_by_hand():
+    per_layer = 8 * 3 * 4096 * 14336  # 8 SwiGLU experts
+    assert MIXTRAL.expert_params_per_layer == per_layer == 1_409_286_144
+    assert MIXTRAL.active_params == 46_702_792_704 - 32 * per_layer * 6 // 8 == 12_879_925_248
+    assert P.EXAMPLE_MODEL.active_params == P.EXAMPLE_MODEL.params
+    lay = P.evaluate(MIXTRAL, H100, 1024, 1, 1, 64, 0, "none", expert_parallel=8)
+    dense = 46_702_792_704 - 32 * per_layer
+    assert lay.memory_parts["weights"] == 2 * (dense + 32 * per_layer // 8)
+
+
+def test_an_moe_model_picks_expert_parallelism_and_its_all_to_alls_are_chapter_15s():
+    best = P.top_layouts(P.plan(MIXTRAL, H100, 1024), 1)[0]
+    assert best.ep > 1 and f"EP {best.ep}" in best.settings
+    m = best.accumulation
+    tokens = best.micro_batch * 4096 / best.tp
+    link = 450e9 if 8 % (best.tp * best.ep) == 0 else 50e9
+    each = tokens * 4096 * 2 * (best.ep - 1) / best.ep * 2  # top-2, 16-bit
+    assert each == pytest.approx(experts.all_to_all_bytes_per_rank(tokens, 4096, 2, best.ep))
+    count = 4 + (2 if best.recompute == "full" else 0)
+    hand = m * 32 * count * each / link
+    assert best.times["expert-parallel traffic"] == pytest.approx(hand, rel=1e-12)
+
+
+def test_layouts_of_tp1_pp1_dp64_ep8_by_hand():
+    # 16 micro-batches of 4,096 tokens; each all-to-all sends 4096 x 4096 x 2 x 7/8 x 2 bytes
+    # over NVLink (450e9 B/s), four per layer, 32 layers.
+    lay = P.evaluate(MIXTRAL, H100, 1024, 1, 1, 64, 1, "none", expert_parallel=8)
+    hand = 16 * 32 * 4 * (4096 * 4096 * 2 * 7 / 8 * 2) / 450e9
+    assert lay.times["expert-parallel traffic"] == pytest.approx(hand, rel=1e-12)
+    assert lay.times["context-parallel traffic"] == 0.0
+
+
+def test_cp_and_ep_that_cannot_work_are_invalid_and_say_why():
+    unfused = dataclasses.replace(LONG_8B, fused_attention=False)
+    lay = P.evaluate(unfused, TWO_NODES, 8, 8, 1, 1, 1, "none", context_parallel=2)
+    assert lay.verdict == "invalid" and any("fused" in note for note in lay.notes)
+    lay = P.evaluate(M70, H100, 64, 8, 1, 8, 1, "none", expert_parallel=2)
+    assert lay.verdict == "invalid" and any("experts" in note for note in lay.notes)
+    lay = P.evaluate(MIXTRAL, H100, 1024, 8, 1, 8, 1, "none", expert_parallel=16)
+    assert lay.verdict == "invalid" and any("DP 8" in note for note in lay.notes)
+
+
+@pytest.mark.parametrize(
+    ("call", "name"),
+    [
+        (lambda: dataclasses.replace(MIXTRAL, top_k=9), "top_k"),
+        (lambda: dataclasses.replace(MIXTRAL, experts=0), "experts"),
+        (lambda: dataclasses.replace(MIXTRAL, params=10**9), "params"),
+        (lambda: P.evaluate(M70, H100, 64, 8, 4, 2, context_parallel=0), "context_parallel"),
+        (lambda: P.evaluate(M70, H100, 64, 8, 4, 2, expert_parallel=0), "expert_parallel"),
+        (lambda: P.evaluate(M70, H100, 64, 8, 4, 2, context_parallel=2), "context_parallel"),
+        (lambda: P.plan(M70, H100, 64, context_parallel=[]), "context_parallel"),
+        (lambda: P.plan(M70, H100, 64, expert_parallel=[0]), "expert_parallel"),
+        (lambda: P.context_parallel_degrees(M70, "H100"), "cluster"),
+        (lambda: P.expert_parallel_degrees("M70"), "model"),
+        (lambda: P.activation_bytes_per_gpu(M70, 8, 4, 1, 8, context_parallel=3), "context"),
+    ],
+)
+def test_bad_cp_and_ep_arguments_are_named(call, name):
+    with pytest.raises(ValueError, match=name):
+        call()
+
+
+def test_expert_and_tensor_parallelism_need_sequence_parallelism():
+    lay = P.evaluate(
+        MIXTRAL, H100, 1024, 2, 1, 32, 1, "none", expert_parallel=4, sequence_parallel=False
+    )
+    assert lay.verdict == "invalid" and any("sequence parallelism" in n for n in lay.notes)
+
+
+def test_a_fused_causal_kernel_computes_half_the_scores_and_cp_splits_them():
+    # FlashAttention skips the key blocks past the diagonal (context.CAUSAL_WORK_SHARE):
+    # per (sequence, head) pair 2 products x 2 s^2 d FLOPs x 1/2, at 0.64 x 989e12 FLOP/s.
+    # Llama 3 8B's shape at 131,072 tokens, TP 8: 32 / 8 = 4 heads of 128 per GPU.
+    _, scores = P._layer_forward(LONG_8B, TWO_NODES, 8, 1, True, "point")
+    hand = 4 * 2 * 2 * 131072**2 * 128 * 0.5 / (0.64 * 989e12)
+    assert scores == pytest.approx(hand, rel=1e-12)
+    _, split = P._layer_forward(LONG_8B, TWO_NODES, 8, 1, True, "point", 4)
+    assert split == pytest.approx(hand / 4, rel=1e-12)
+
+
+def test_zero_shards_the_experts_over_the_ranks_that_hold_the_same_ones():
+    # ZeRO-1 on DP 64 with EP 8: the dense parameters' optimiser state (12 bytes each)
+    # is sharded 64 ways, the 8 / 8 = 1 expert per GPU's only 64 / 8 = 8 ways.
+    lay = P.evaluate(MIXTRAL, H100, 1024, 1, 1, 64, 1, "none", expert_parallel=8)
+    dense = 46_702_792_704 - 32 * 1_409_286_144
+    experts_per_gpu = 32 * 1_409_286_144 // 8
+    hand = 12 * (-(-dense // 64) + -(-experts_per_gpu // 8))
+    assert lay.memory_parts["optimiser state"] == hand

@@ -81,7 +81,18 @@ def planner() -> list[tuple[str, float]]:
     started = time.perf_counter()
     layouts = p.plan(model, cluster, global_batch=3072)
     seconds = time.perf_counter() - started
-    return [(f"planner: {len(layouts):,} layouts, 1T on 16,384 GPUs", seconds)]
+    rows = [(f"planner: {len(layouts):,} layouts, 1T on 16,384 GPUs", seconds)]
+    for cached in (p._layer_forward, p._activations, p._state):  # start cold again
+        cached.cache_clear()
+    started = time.perf_counter()  # every interleaving depth estimate_run searches
+    count = sum(len(p.plan(model, cluster, 3072, virtual_stages=v)) for v in p.INTERLEAVING)
+    seconds = time.perf_counter() - started
+    rows.append((f"planner: {count:,} layouts, every interleaving depth", seconds))
+    started = time.perf_counter()  # context parallelism searched too (1T's 2,048 tokens
+    layouts = p.plan(model, cluster, 3072, context_parallel=(1, 2, 4, 8))  # never need it)
+    seconds = time.perf_counter() - started
+    rows.append((f"planner: {len(layouts):,} layouts, CP 1-8 searched", seconds))
+    return rows
 
 
 PARTS: dict[str, Callable[[], list[tuple[str, float]]]] = {

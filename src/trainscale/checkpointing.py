@@ -286,29 +286,43 @@ kernel); keep only each layer's input and rerun its forward pass during backward
 
 class ActivationPart(NamedTuple):
     """One row of Korthikanti et al.'s count: what a layer keeps, in bytes per
-    ``s b h`` and per ``a s^2 b``, whether tensor parallelism splits it, and the
-    ``block`` of the layer it belongs to."""
+    ``s b h`` and per ``a s^2 b``, whether tensor parallelism splits it, the
+    ``block`` of the layer it belongs to, and what its size follows when the layer
+    is not GPT-shaped (``scales_with``, one of :data:`SCALES_WITH`; see
+    :func:`layer_activation_bytes`)."""
 
     what: str
     per_sbh: int
     per_as2b: int
     split_by_tp: bool
     block: str
+    scales_with: str = "hidden"
+
+
+SCALES_WITH = ("hidden", "queries and keys", "kv heads", "mlp input", "mlp output", "dropout")
+"""What each row of :data:`ACTIVATION_PARTS` grows with beyond ``s b h`` (see
+:func:`layer_activation_bytes`): the hidden size alone; queries (``heads``) and
+keys (``kv_heads``); the key/value heads; the MLP's hidden width, twice when it is
+gated (``mlp input``) or once (``mlp output``); or whether the layer uses dropout."""
 
 
 ACTIVATION_PARTS: tuple[ActivationPart, ...] = (
     ActivationPart("layer-norm output, input of the QKV projection", 2, 0, False, "attention"),
-    ActivationPart("queries and keys, inputs of Q K^T", 4, 0, True, "attention"),
+    ActivationPart(
+        "queries and keys, inputs of Q K^T", 4, 0, True, "attention", "queries and keys"
+    ),
     ActivationPart("softmax output", 0, 2, True, "attention"),
-    ActivationPart("attention dropout mask", 0, 1, True, "attention"),
+    ActivationPart("attention dropout mask", 0, 1, True, "attention", "dropout"),
     ActivationPart("attention dropout output, input of scores x V", 0, 2, True, "attention"),
-    ActivationPart("values", 2, 0, True, "attention"),
+    ActivationPart("values", 2, 0, True, "attention", "kv heads"),
     ActivationPart("input of the output projection", 2, 0, True, "attention"),
-    ActivationPart("attention-block dropout mask", 1, 0, False, "attention"),
+    ActivationPart("attention-block dropout mask", 1, 0, False, "attention", "dropout"),
     ActivationPart("layer-norm output, input of the first linear layer", 2, 0, False, "MLP"),
-    ActivationPart("GELU input", 8, 0, True, "MLP"),
-    ActivationPart("GELU output, input of the second linear layer", 8, 0, True, "MLP"),
-    ActivationPart("MLP dropout mask", 1, 0, False, "MLP"),
+    ActivationPart("GELU input", 8, 0, True, "MLP", "mlp input"),
+    ActivationPart(
+        "GELU output, input of the second linear layer", 8, 0, True, "MLP", "mlp output"
+    ),
+    ActivationPart("MLP dropout mask", 1, 0, False, "MLP", "dropout"),
     ActivationPart("inputs of the two layer norms", 4, 0, False, "layer norms"),
 )
 """What one GPT-style transformer layer keeps for backward, per Korthikanti et al.
@@ -360,6 +374,58 @@ def korthikanti_bytes(seq_len: int, micro_batch: int, hidden: int, heads: int) -
     return sum(korthikanti_terms(seq_len, micro_batch, hidden, heads).values())
 
 
+@dataclass(frozen=True)
+class LayerShape:
+    """What a layer's activations depend on beyond GPT's shape (chapter 13's planner).
+
+    ``kv_heads`` (grouped-query attention, Ainslie et al. 2023; ``None``: one per query
+    head), ``ffn_hidden`` (the MLP's hidden width; ``None``: ``4 hidden``),
+    ``gated_mlp`` (SwiGLU, Shazeer 2020: two input matrices), ``fused_attention``
+    (a FlashAttention kernel, Dao et al. 2022, arXiv 2205.14135: no ``s x s``
+    table is kept) and ``dropout`` (whether the layer has dropout at all; Llama's
+    do not).
+    """
+
+    kv_heads: int | None = None
+    ffn_hidden: int | None = None
+    gated_mlp: bool = False
+    fused_attention: bool = False
+    dropout: bool = True
+
+
+def _scale(part: ActivationPart, heads: int, hidden: int, shape: LayerShape) -> float:
+    """How much larger than in a GPT layer one row of :data:`ACTIVATION_PARTS` is."""
+    kv = (shape.kv_heads or heads) / heads
+    mlp = (shape.ffn_hidden or 4 * hidden) / (4 * hidden)
+    if part.scales_with == "queries and keys":
+        return (1 + kv) / 2
+    if part.scales_with == "kv heads":
+        return kv
+    if part.scales_with == "mlp input":
+        return mlp * (2 if shape.gated_mlp else 1)
+    if part.scales_with == "mlp output":
+        return mlp
+    if part.scales_with == "dropout":
+        return 1.0 if shape.dropout else 0.0
+    return 1.0
+
+
+def _layer_shape(kv_heads, ffn_hidden, gated_mlp, fused_attention, dropout, heads) -> LayerShape:
+    if kv_heads is not None:
+        kv_heads = _checks.count("kv_heads", kv_heads, minimum=1)
+        if heads % kv_heads:
+            raise ValueError(f"kv_heads must divide heads ({heads}), got {kv_heads}")
+    if ffn_hidden is not None:
+        ffn_hidden = _checks.count("ffn_hidden", ffn_hidden, minimum=1)
+    return LayerShape(
+        kv_heads=kv_heads,
+        ffn_hidden=ffn_hidden,
+        gated_mlp=_checks.boolean("gated_mlp", gated_mlp),
+        fused_attention=_checks.boolean("fused_attention", fused_attention),
+        dropout=_checks.boolean("dropout", dropout),
+    )
+
+
 def layer_activation_bytes(
     seq_len: int,
     micro_batch: int,
@@ -368,6 +434,12 @@ def layer_activation_bytes(
     tp: int = 1,
     sequence_parallel: bool = False,
     recompute: str = "none",
+    *,
+    kv_heads: int | None = None,
+    ffn_hidden: int | None = None,
+    gated_mlp: bool = False,
+    fused_attention: bool = False,
+    dropout: bool = True,
 ) -> float:
     """Bytes one transformer layer keeps for backward on one GPU (Korthikanti et al.).
 
@@ -383,16 +455,37 @@ def layer_activation_bytes(
     * full recomputation keeps only the layer's 16-bit input: ``2 sbh``, or
       ``2 sbh / t`` with sequence parallelism, which shards that input along the
       sequence (as Megatron-LM stores it).
+
+    The keyword arguments describe layers that are not GPT-shaped (defaults: GPT's),
+    each row of :data:`ACTIVATION_PARTS` scaled by what it holds (``scales_with``):
+
+    * ``kv_heads``: grouped-query attention (Ainslie et al. 2023, arXiv 2305.13245)
+      keeps keys and values for ``kv_heads`` heads only, so the ``2 sbh`` of keys and
+      the ``2 sbh`` of values shrink by ``kv_heads / heads`` (queries stay ``2 sbh``);
+    * ``ffn_hidden``: the MLP's two rows of ``8 sbh`` (``2 x 4h`` bytes per token)
+      scale with ``ffn_hidden / (4 h)``; ``gated_mlp`` (SwiGLU, Shazeer 2020, arXiv
+      2002.05202) keeps both input projections (gate and up) and their product, the
+      input of the output projection: three ``2 ffn_hidden`` rows per token;
+    * ``fused_attention``: a FlashAttention kernel (Dao et al. 2022, arXiv
+      2205.14135, section 3.1) keeps no ``s x s`` softmax, mask or dropout output
+      (its backward recomputes them from Q, K, V and a per-row statistic); it keeps
+      that statistic, one fp32 number per head and token, ``4 a s b`` bytes, split
+      by TP. Selective recomputation then changes nothing;
+    * ``dropout=False``: a layer without dropout (Llama's) keeps no 1-byte masks.
+
+    Full recomputation keeps the layer's input whatever its shape.
     """
     sbh, as2b = _layer_sizes(seq_len, micro_batch, hidden, heads)
     t = _checks.count("tp", tp, minimum=1)
     sp = _checks.boolean("sequence_parallel", sequence_parallel)
     mode = str(_checks.choice("recompute", recompute, RECOMPUTE))
+    shape = _layer_shape(kv_heads, ffn_hidden, gated_mlp, fused_attention, dropout, heads)
     if mode == "full":
         return 2 * sbh / (t if sp else 1)
-    total = 0.0
+    scores = 0 if mode == "selective" or shape.fused_attention else as2b
+    total = 4 * heads * seq_len * micro_batch / t if shape.fused_attention else 0.0
     for part in ACTIVATION_PARTS:
-        size = part.per_sbh * sbh + (0 if mode == "selective" else part.per_as2b * as2b)
+        size = (part.per_sbh * sbh + part.per_as2b * scores) * _scale(part, heads, hidden, shape)
         total += size / t if part.split_by_tp or sp else size
     return total
 

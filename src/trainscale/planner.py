@@ -2,7 +2,8 @@
 
 Given a model, a cluster and a global batch, :func:`plan` tries every way of
 splitting the GPUs into tensor (TP), pipeline (PP) and data (DP) parallel groups,
-with every ZeRO stage, every activation-recomputation mode and every candidate
+and, where they can help, context-parallel (CP) groups and expert-parallel (EP)
+groups inside DP, with every ZeRO stage, every activation-recomputation mode and every candidate
 micro-batch size, and estimates for each one the memory per GPU and the time of
 one training step. It is a *model*: a small set of stated assumptions, each
 with its source, meant to rank layouts and to explain why the bad ones are bad,
@@ -14,37 +15,122 @@ Memory per GPU (the fullest pipeline stage)
       ZeRO sharding over the DP group exactly as :func:`trainscale.memory.model_state_groups`
       does it (chapters 02 and 05);
     * activations per Korthikanti et al. (arXiv 2205.05198; bib key korthikanti2022reducing),
-      :func:`trainscale.checkpointing.layer_activation_bytes` (chapter 09), times the
-      layers of the stage, times the micro-batches in flight on it (1F1B keeps up to
+      :func:`trainscale.checkpointing.layer_activation_bytes` (chapter 09), shaped by the
+      model (:attr:`Model.layer_shape`: grouped-query attention's smaller keys and
+      values, the MLP's width and gating, a fused attention kernel that keeps no
+      ``s x s`` table, no dropout masks where there is no dropout), times the layers
+      of the stage, times the micro-batches in flight on it (1F1B keeps up to
       ``PP`` of them on the first stage), plus the embedding on the first stage and
       the output layer and its fp32 logits on the last one.
 
-Step time (:func:`evaluate` lists every term)
-    compute at ``peak x`` :data:`KERNEL_EFFICIENCY` for the ``6 N`` FLOPs per token
-    (chapter 01), plus recomputation (chapter 09); tensor-parallel all-reduces, never
-    hidden (ring cost from chapter 04); pipeline sends; the pipeline bubble (chapter
-    07); and data-parallel traffic (the bytes of chapter 05's ZeRO stages), which
-    hides under one micro-batch's compute and is exposed beyond it. Then
-    ``MFU = 6 N x tokens per step / (step time x GPUs x peak)`` (chapter 12).
+Step time (:func:`evaluate` lists every term), two models
+    The simple one (``efficiency=`` a number, e.g. :data:`KERNEL_EFFICIENCY`), the
+    one chapter 13 builds by hand: compute at ``peak x``
+    :data:`KERNEL_EFFICIENCY` for the ``6 N`` FLOPs per token (chapter 01), plus
+    recomputation (chapter 09); tensor-parallel all-reduces, never hidden (ring cost
+    from chapter 04); pipeline sends; the pipeline bubble (chapter 07,
+    :func:`trainscale.pipeline.bubble`); and data-parallel traffic (the bytes of
+    chapter 05's ZeRO stages), which hides under one micro-batch's compute and is
+    exposed beyond it.
+
+    The calibrated one (``efficiency=None``, the default of :func:`plan` and
+    :func:`evaluate`; :func:`estimate_run` uses it), which adds, each term with its
+    source:
+
+    * every GEMM of a layer at its roofline (:func:`gemm_seconds`: Williams et al.
+      2009's roofline, with the wave quantisation of NVIDIA's "Matrix Multiplication
+      Background" user's guide), shaped by the model: grouped-query attention
+      (``kv_heads``), the MLP width and gating (``ffn_hidden``, ``gated_mlp``),
+      attention's ``s x s`` products (fused or not, ``fused_attention``: Dao et al.
+      2022; a fused kernel computes only the key blocks the causal mask leaves,
+      :data:`trainscale.context.CAUSAL_WORK_SHARE` of them, as FlashAttention's causal
+      kernels stop at the diagonal block, ``n_block_max`` in Dao-AILab/flash-attention's
+      ``flash_fwd_kernel.h``; an unfused one computes the whole table and masks it), and
+      the output layer's GEMM on the last stage; compute-bound GEMMs run
+      at :data:`GEMM_SHARE` of peak, read off Korthikanti et al.'s Table 4;
+    * element-wise kernels at the memory bandwidth: :data:`ELEMENTWISE_TRAFFIC` x
+      the bytes a layer keeps (Korthikanti et al.'s count, chapter 09);
+    * overlap achieved (:data:`OVERLAP`): the share of the data-parallel traffic, and
+      of the backward's tensor-parallel collectives, that hides under compute;
+    * ZeRO-3 gathered layer by layer with prefetching (:func:`_zero3_prefetch`: per
+      layer only ``max(0, traffic - compute)`` is exposed, plus the first gather and the
+      last reduce-scatter), which the :data:`OVERLAP` band blends with no overlap at all;
+      the third gather full recomputation needs, and the latency of layer-by-layer
+      collectives (:func:`_zero3_extra`, :data:`COLLECTIVE_STEP_SECONDS`);
+    * a fused attention kernel's backward recomputes ``Q K^T`` (Dao et al. 2022), so
+      selective recomputation adds nothing to it;
+    * a pipeline balanced as Llama 3's (Dubey et al., arXiv 2407.21783, section 3.3.2):
+      when the layers fall short of the stages' slots, the first and the last stage
+      hold one layer fewer, the embedding and the output layer taking their place, so
+      ``PP x virtual_stages`` may reach ``layers + 2``;
+    * the schedule: 1F1B, interleaved or not, or zero-bubble ZB-H1 (:data:`SCHEDULES`);
+    * a gradient reduce-scatter after every micro-batch (ZeRO-2) keeps running under
+      the next micro-batch's forward, which 1F1B starts right after a backward
+      (:func:`_data_parallel_seconds`);
+    * gradients in fp32 (``fp32_gradients``, :data:`FP32_GRADIENTS`: Llama 3 accumulates
+      and reduce-scatters them in fp32, section 3.3.2): 4 bytes per gradient in memory
+      and on the wire;
+    * the interleaving depth, searched per layout by :func:`estimate_run`
+      (:data:`INTERLEAVING`), with its bubble and its extra activation memory.
+
+    Then ``MFU = 6 N x tokens per step / (step time x GPUs x peak)`` (chapter 12).
+    The calibrated model's range comes from the bands of :data:`GEMM_SHARE`,
+    :data:`ELEMENTWISE_TRAFFIC` and :data:`OVERLAP`, and from the fields a run does
+    not publish (searched); chapter 13 prints it against every published run of
+    :func:`trainscale.published.published_runs`.
 
 Placement follows Megatron-LM's rank order: TP ranks are neighbours (inside a
 node when ``gpus_per_node`` is a multiple of TP), then DP, then PP. Each link is
 charged at the cluster's per-GPU bandwidth of the slowest hop it crosses.
 
 Which layouts are tried: TP over every divisor of the GPU count (it must also
-divide the attention heads), PP over every divisor of what is left, DP the
-rest. PP need *not* divide the layers: the fullest stage gets ``ceil(L / PP)``
-layers, its memory is what must fit and its pace sets the pipeline's (real runs
-balance stages by hand, as Llama 3 did by giving the first and last one layer
-fewer). The micro-batch must divide the sequences of each DP rank; the number
+divide the attention heads), CP over the degrees that can help
+(:func:`context_parallel_degrees`) that divide what is left, PP over every divisor
+of what is left then, DP the rest, and EP over the divisors of the experts that
+also divide DP. PP need *not* divide the layers: the fullest stage gets ``ceil(L / PP)``
+layers and its pace sets the pipeline's; without interleaving, the first and last
+stages, which also hold the embedding and the logits, get one layer fewer when the
+layers fall short (as Llama 3 did), which lowers their activation memory. The
+micro-batch must divide the sequences of each DP rank; the number
 of micro-batches per step is the gradient accumulation.
 
-What the model leaves out, on purpose: the attention FLOPs in the ``6 N`` count
-(chapter 11 measures them), the optimiser step itself, collective latency,
-overlap of tensor-parallel traffic, kernels that slow down when a GEMM gets
-small, and memory the estimate does not list (CUDA context, NCCL buffers,
-fragmentation, the transient buffers of recomputation), for which only
-:data:`USABLE_MEMORY` of each GPU is counted as available.
+Sequence parallelism (``sequence_parallel``, Korthikanti et al. section 4.2.2) turns
+each tensor-parallel all-reduce into an all-gather and a reduce-scatter that move the
+same bytes, so the traffic is priced the same; what it changes is the activation
+memory (the ``10 s b h`` outside the split blocks are split too).
+
+Context parallelism (chapter 14, :mod:`trainscale.context`): ``CP`` ranks each hold
+``s / CP`` tokens of every sequence, so every activation, GEMM row and pipeline send
+shrinks by ``CP``, while each rank's queries still meet all ``s`` keys; the keys and
+values travel a ring (:func:`trainscale.context.ring_bytes_per_rank`, Liu et al. 2023),
+:data:`OVERLAP` of it hidden under the attention it feeds
+(:func:`_context_parallel_seconds`); the DP and CP ranks reduce the gradients
+together, as Megatron-core does. Tried by default only where chapter 14's thresholds
+say it helps (:func:`context_parallel_degrees`). Expert parallelism (chapter 15,
+:mod:`trainscale.experts`): a mixture of experts (:attr:`Model.experts`) spreads its
+experts over ``EP`` of the DP ranks, whose all-to-alls
+(:func:`trainscale.experts.all_to_all_bytes_per_rank`, four per layer) are charged in
+full (:func:`_expert_parallel_seconds`); each GPU holds ``E / EP`` experts, sharded by
+ZeRO over the ``DP CP / EP`` ranks that hold the same ones; the local experts run as
+one batched GEMM (:func:`_layer_forward`), and MFU counts the active parameters
+(:attr:`Model.active_params`). Both dimensions are searched for every layout by
+:func:`plan` (:func:`expert_parallel_degrees`).
+
+What the model leaves out: the optimiser step itself, data loading and kernel
+launches, latency outside ZeRO-3, uneven expert loads (routing is taken as even),
+and memory the estimate
+does not list (CUDA context, NCCL buffers, fragmentation, the transient buffers of
+recomputation), for which only :data:`USABLE_MEMORY` of each GPU is counted as
+available.
+
+Allocator headroom stays that one share, an assumption, not an explicit term: we
+found no published figure for how much memory PyTorch's caching allocator loses to
+fragmentation in a training run. PyTorch's CUDA memory-management notes describe the
+effect qualitatively (reserved but unallocated blocks, ``max_split_size_mb``,
+``expandable_segments``), and NVIDIA's Megatron Bridge memory-tuning guide
+recommends ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` as the fix for
+fragmentation-induced out-of-memory errors, with no figure either. So a layout the
+planner puts near :data:`USABLE_MEMORY` of the GPU is one to check on the GPU.
 """
 
 from __future__ import annotations
@@ -55,6 +141,8 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from trainscale import _checks
 from trainscale.checkpointing import (
     ACTIVATION_PARTS,
@@ -64,22 +152,40 @@ from trainscale.checkpointing import (
 )
 from trainscale.collectives import ring_factor
 from trainscale.compute import FLOPS_PER_PARAM_PER_TOKEN, mfu
-from trainscale.memory import GIB, STATE_GROUPS, USABLE_MEMORY, model_state_groups
-from trainscale.pipeline import bubble
+from trainscale.context import (
+    CAUSAL_WORK_SHARE,
+    cp_beats_tp_local_tokens,
+    cp_hiding_threshold_tokens,
+    ring_bytes_per_rank,
+)
+from trainscale.experts import ALL_TO_ALLS_PER_LAYER, all_to_all_bytes_per_rank
+from trainscale.memory import GIB, STATE_GROUPS, USABLE_MEMORY, StateDtypes, model_state_groups
+from trainscale.pipeline import bubble, bubble_zb_h1
 from trainscale.published import GPUS, PublishedRun, published_runs
 from trainscale.sharding import ZERO_COLLECTIVES, zero_collective_bytes
 
 __all__ = [  # this module's public names, and those it re-exports for chapter 13
     "A100_NODE",
     "ACTIVATION_PARTS",
+    "COLLECTIVE_STEP_SECONDS",
+    "ELEMENTWISE_TRAFFIC",
     "EXAMPLE_CLUSTER",
     "EXAMPLE_GLOBAL_BATCH",
     "EXAMPLE_MODEL",
+    "FP32_GRADIENTS",
+    "FP32_GRADIENT_SOURCES",
+    "FUSED_ATTENTION_SOURCES",
+    "GEMM_SHARE",
     "H100_NODE",
+    "INTERLEAVING",
     "KERNEL_EFFICIENCY",
     "MAX_BUBBLE",
     "MEMORY_PARTS",
+    "NO_DROPOUT_SOURCES",
+    "OVERLAP",
     "RECOMPUTE",
+    "SCHEDULES",
+    "TILE",
     "TIME_PARTS",
     "USABLE_MEMORY",
     "VERDICTS",
@@ -87,9 +193,13 @@ __all__ = [  # this module's public names, and those it re-exports for chapter 1
     "Layout",
     "Model",
     "PublishedRun",
+    "RunEstimate",
     "activation_bytes_per_gpu",
+    "context_parallel_degrees",
     "estimate_run",
     "evaluate",
+    "expert_parallel_degrees",
+    "gemm_seconds",
     "layer_activation_bytes",
     "model_state_per_gpu",
     "node_settings",
@@ -97,6 +207,7 @@ __all__ = [  # this module's public names, and those it re-exports for chapter 1
     "published_cluster",
     "published_model",
     "published_runs",
+    "reported_mfu",
     "reported_mfu_6n",
     "stage_params",
     "top_layouts",
@@ -104,11 +215,10 @@ __all__ = [  # this module's public names, and those it re-exports for chapter 1
 ]
 
 KERNEL_EFFICIENCY = 0.6
-"""Share of peak FLOP/s that a well-tuned transformer layer's kernels sustain
-together, before any time is lost to communication or pipeline idling. An
-assumption, not a measurement: large bf16 matrix multiplications on A100/H100
-reach 70-80 % of peak, and the normalisations, softmax and element-wise kernels
-between them pull the average down. Pass ``efficiency=`` to change it."""
+"""The simple cost model's one efficiency: the share of peak FLOP/s that a transformer
+layer's kernels sustain together, before any time is lost to communication or
+pipeline idling. An assumption, not a measurement; pass ``efficiency=KERNEL_EFFICIENCY``
+to use the simple model (the default, ``None``, is the calibrated roofline)."""
 
 MAX_BUBBLE = 0.25
 """A pipeline that idles more than this share of the step is flagged."""
@@ -124,6 +234,8 @@ TIME_PARTS = (
     "compute",
     "recomputation",
     "tensor-parallel traffic",
+    "context-parallel traffic",
+    "expert-parallel traffic",
     "pipeline sends",
     "data-parallel traffic",
     "pipeline bubble",
@@ -142,6 +254,20 @@ def _recompute(name: str, value: object) -> str:
 class Model:
     """A dense GPT-style transformer as the planner sees it.
 
+    The roofline step time (:func:`gemm_seconds`) also reads the layer's shape:
+    ``kv_heads`` (grouped-query attention; ``None``: as many as ``heads``),
+    ``ffn_hidden`` (``None``: ``4 hidden``), ``gated_mlp`` (SwiGLU: two input
+    matrices) and ``fused_attention`` (a FlashAttention-style kernel, Dao et al.
+    2022, arXiv 2205.14135: the ``s x s`` scores never reach GPU memory); the
+    activation memory reads the same fields and ``dropout`` (``False``: no dropout
+    masks are kept), through :func:`trainscale.checkpointing.layer_activation_bytes`.
+
+    A mixture of experts (chapter 15): ``experts`` MLPs of width ``expert_ffn_hidden``
+    (``None``: ``ffn_hidden``) in every layer, ``top_k`` of them per token; ``params``
+    counts them all, :attr:`active_params` what one token uses. Its activations are
+    counted as a dense MLP ``top_k`` experts wide (each token's copies pass through
+    ``top_k`` experts); the router's scores are left out.
+
     ``params`` is the total parameter count (embeddings included), ``vocab`` the
     vocabulary size. The input embedding (``vocab x hidden``) lands on the first
     pipeline stage and the output layer (another ``vocab x hidden``, or a copy of
@@ -156,20 +282,73 @@ class Model:
     seq_len: int
     vocab: int
     tied_embeddings: bool = False
+    kv_heads: int | None = None
+    ffn_hidden: int | None = None
+    gated_mlp: bool = False
+    fused_attention: bool = True
+    dropout: bool = True
+    experts: int | None = None
+    top_k: int = 1
+    expert_ffn_hidden: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("params", "layers", "hidden", "heads", "seq_len", "vocab"):
+        for name in ("params", "layers", "hidden", "heads", "seq_len", "vocab", "top_k"):
             object.__setattr__(self, name, _checks.count(name, getattr(self, name), minimum=1))
-        _checks.boolean("tied_embeddings", self.tied_embeddings)
+        for name in ("kv_heads", "ffn_hidden", "experts", "expert_ffn_hidden"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, _checks.count(name, getattr(self, name), minimum=1))
+        for name in ("tied_embeddings", "gated_mlp", "fused_attention", "dropout"):
+            _checks.boolean(name, getattr(self, name))
         if self.hidden % self.heads:
             raise ValueError(
                 f"hidden must be a multiple of heads ({self.heads}), got {self.hidden}"
             )
-        if self.params <= self.embedding_params:
+        if self.experts is not None and not 1 <= self.top_k <= self.experts:
+            raise ValueError(f"top_k must be in [1, experts = {self.experts}], got {self.top_k}")
+        fixed = self.embedding_params + self.layers * self.expert_params_per_layer
+        if self.params <= fixed:
             raise ValueError(
-                f"params must exceed the {self.embedding_params:,} parameters of the "
-                f"embedding and output layers, got {self.params:,}"
+                f"params must exceed the {fixed:,} parameters of the embedding, output "
+                f"and expert layers, got {self.params:,}"
             )
+
+    @property
+    def expert_width(self) -> int:
+        """Hidden width of one expert's MLP: ``expert_ffn_hidden``, else the dense MLP's."""
+        return self.expert_ffn_hidden or self.ffn_hidden or 4 * self.hidden
+
+    @property
+    def expert_params_per_layer(self) -> int:
+        """Parameters of one layer's experts, ``E x matrices x hidden x expert width``
+        (3 matrices when gated, as SwiGLU experts; 2 otherwise); 0 for a dense model."""
+        if self.experts is None:
+            return 0
+        matrices = 3 if self.gated_mlp else 2
+        return self.experts * matrices * self.hidden * self.expert_width
+
+    @property
+    def active_params(self) -> int:
+        """Parameters a token goes through: all of them for a dense model; for a mixture
+        of experts only ``top_k`` of the ``experts`` of each layer (the ``N`` of the
+        ``6 N`` FLOPs per token, chapter 01, and of MFU)."""
+        if self.experts is None:
+            return self.params
+        unused = self.expert_params_per_layer // self.experts * (self.experts - self.top_k)
+        return self.params - self.layers * unused
+
+    @property
+    def layer_shape(self) -> dict[str, object]:
+        """The keyword arguments of :func:`trainscale.checkpointing.layer_activation_bytes`
+        that describe this model's layer (grouped-query attention, MLP width and gating,
+        fused attention, dropout)."""
+        ffn = self.ffn_hidden if self.experts is None else self.top_k * self.expert_width
+        return {
+            "kv_heads": self.kv_heads,
+            "ffn_hidden": ffn,
+            "gated_mlp": self.gated_mlp,
+            "fused_attention": self.fused_attention,
+            "dropout": self.dropout,
+        }
 
     @property
     def embedding_params(self) -> int:
@@ -189,7 +368,9 @@ class Cluster:
     ``memory_bytes`` and ``peak_flops`` are per GPU (bytes, dense bf16 FLOP/s);
     the bandwidths are what one GPU can send per second in one direction, inside
     a node (``intra_node_bandwidth``, e.g. NVLink) and to another node
-    (``inter_node_bandwidth``, e.g. its InfiniBand card).
+    (``inter_node_bandwidth``, e.g. its InfiniBand card). ``memory_bandwidth`` is
+    the GPU's HBM bandwidth in bytes/s and ``multiprocessors`` its SMs (defaults: an
+    H100 SXM's 3.35e12 and 132), which the roofline step time needs.
     """
 
     nodes: int
@@ -198,12 +379,17 @@ class Cluster:
     peak_flops: float
     intra_node_bandwidth: float
     inter_node_bandwidth: float
+    memory_bandwidth: float = 3.35e12
+    multiprocessors: int = 132
 
     def __post_init__(self) -> None:
         for name in ("nodes", "gpus_per_node"):
             object.__setattr__(self, name, _checks.count(name, getattr(self, name), minimum=1))
-        for name in ("memory_bytes", "peak_flops", "intra_node_bandwidth", "inter_node_bandwidth"):
+        names = ("memory_bytes", "peak_flops", "intra_node_bandwidth", "inter_node_bandwidth")
+        for name in (*names, "memory_bandwidth"):
             object.__setattr__(self, name, _checks.positive(name, getattr(self, name)))
+        sms = _checks.count("multiprocessors", self.multiprocessors, minimum=1)
+        object.__setattr__(self, "multiprocessors", sms)
 
     @property
     def gpus(self) -> int:
@@ -219,7 +405,9 @@ class Layout:
     and ``times`` (seconds per step, keys :data:`TIME_PARTS`) add up to
     ``memory_bytes`` and ``step_seconds``. ``bubble`` is the pipeline's idle share
     of the step. For an ``invalid`` layout the numbers are ``nan`` and
-    ``accumulation`` is ``None``; ``notes`` says what is wrong.
+    ``accumulation`` is ``None``; ``notes`` says what is wrong. ``cp`` is the
+    context-parallel degree (GPUs that share each sequence) and ``ep`` the
+    expert-parallel one (DP ranks that share a mixture of experts' experts).
     """
 
     tp: int
@@ -239,15 +427,19 @@ class Layout:
     verdict: str
     problems: tuple[str, ...]
     notes: tuple[str, ...] = field(repr=False)
+    virtual_stages: int = 1
+    sequence_parallel: bool = True
+    cp: int = 1
+    ep: int = 1
 
     @property
     def gpus(self) -> int:
-        """GPUs the layout uses: ``TP x PP x DP``."""
-        return self.tp * self.pp * self.dp
+        """GPUs the layout uses: ``TP x CP x PP x DP`` (expert parallelism reuses DP's)."""
+        return self.tp * self.cp * self.pp * self.dp
 
     @property
     def shape(self) -> tuple[int, int, int]:
-        """``(TP, PP, DP)``."""
+        """``(TP, PP, DP)`` (for a given GPU count it also fixes CP)."""
         return (self.tp, self.pp, self.dp)
 
     @property
@@ -259,14 +451,17 @@ class Layout:
 
     @property
     def name(self) -> str:
-        """``"TP 8 x PP 4 x DP 2"``."""
-        return f"TP {self.tp} \u00d7 PP {self.pp} \u00d7 DP {self.dp}"
+        """``"TP 8 x PP 4 x DP 2"``, with ``CP n`` after TP when the sequence is split."""
+        cp = f"CP {self.cp} \u00d7 " if self.cp > 1 else ""
+        return f"TP {self.tp} \u00d7 {cp}PP {self.pp} \u00d7 DP {self.dp}"
 
     @property
     def settings(self) -> str:
-        """``"ZeRO-1, selective recompute, micro-batch 1"``."""
+        """``"ZeRO-1, selective recompute, micro-batch 1"`` (``", EP 8"`` added when the
+        experts are spread over 8 of the DP ranks)."""
         recompute = "no recompute" if self.recompute == "none" else f"{self.recompute} recompute"
-        return f"ZeRO-{self.zero_stage}, {recompute}, micro-batch {self.micro_batch}"
+        experts = f", EP {self.ep}" if self.ep > 1 else ""
+        return f"ZeRO-{self.zero_stage}, {recompute}, micro-batch {self.micro_batch}{experts}"
 
 
 def _stage(model: Model, pp: int, virtual_stages: int) -> tuple[int, int, float, int]:
@@ -299,8 +494,10 @@ def stage_params(model: Model, tp: int, pp: int, virtual_stages: int = 1) -> int
     t = _checks.count("tp", tp, minimum=1)
     p = _checks.count("pp", pp, minimum=1)
     v = _checks.count("virtual_stages", virtual_stages, minimum=1) if p > 1 else 1
-    if p * v > model.layers:
-        raise ValueError(f"pp x virtual_stages must be <= layers ({model.layers}), got {p * v}")
+    if p * v > model.layers + 2:
+        raise ValueError(
+            f"pp x virtual_stages must be <= layers + 2 ({model.layers + 2}), got {p * v}"
+        )
     return -(-_stage(model, p, v)[3] // t)
 
 
@@ -316,9 +513,18 @@ def model_state_per_gpu(
     return dict(_state(per_gpu, _checks.count("dp", dp, minimum=1), zero_stage))
 
 
+FP32_GRADIENTS = StateDtypes(gradients=torch.float32)
+"""Mixed precision with fp32 gradients (accumulated over micro-batches and reduced in
+fp32, as Llama 3 did: Dubey et al., arXiv 2407.21783, section 3.3.2, "Numerical
+stability"): 18 bytes per parameter instead of 16, and 4-byte gradients on the wire."""
+
+
 @functools.lru_cache(maxsize=4096)
-def _state(per_gpu: int, dp: int, zero_stage: int) -> tuple[tuple[str, int], ...]:
-    return tuple(model_state_groups(per_gpu, gpus=dp, zero_stage=zero_stage).items())
+def _state(
+    per_gpu: int, dp: int, zero_stage: int, fp32_gradients: bool = False
+) -> tuple[tuple[str, int], ...]:
+    dtypes = FP32_GRADIENTS if fp32_gradients else None
+    return tuple(model_state_groups(per_gpu, dp, zero_stage, dtypes).items())
 
 
 @functools.lru_cache(maxsize=4096)
@@ -331,23 +537,42 @@ def _activations(
     mode: str,
     sp: bool,
     v: int,
+    c: int = 1,
 ) -> float:
     """Activation bytes on the fullest pipeline stage (see :func:`activation_bytes_per_gpu`)."""
-    s, h, a, vocab = model.seq_len, model.hidden, model.heads, model.vocab
-    per_layer = layer_activation_bytes(s, b, h, a, t, sp, mode)
+    s, h, a, vocab = model.seq_len // c, model.hidden, model.heads, model.vocab
+    per_layer = layer_activation_bytes(s, b, h, a, t, sp, mode, **model.layer_shape)
     t_sp = t if sp else 1
-    embedding = s * b * h / t_sp  # 1-byte dropout mask on the embedding output
+    embedding = s * b * h / t_sp if model.dropout else 0.0  # 1-byte dropout mask
     output = 4 * s * b * h / t_sp + 4 * s * b * vocab / t  # final norm, output input, fp32 logits
     per_chunk, per_stage, _, _ = _stage(model, p, v)
     if p == 1:
         return per_stage * per_layer + embedding + output
     if v == 1:
-        first_chunks, last_chunks = min(p, m), 1
-    else:  # Megatron's interleaved warm-up: (v-1) p + 2 (p-1) chunk forwards before a backward
-        first_chunks, last_chunks = min(v * p + p - 1, v * m), min((v - 1) * p + 1, v * m)
-    first = first_chunks * per_chunk * per_layer + min(p, m) * embedding
-    last = last_chunks * per_chunk * per_layer + output
-    return max(first, last)
+        # Layers that do not divide evenly: the first and last stages, which also hold
+        # the embedding and the logits, get one layer fewer (as Llama 3 did); then the
+        # second stage, full and with p - 1 micro-batches in flight, may hold the most.
+        short = per_chunk * p - model.layers
+        first_layers = per_chunk - (short >= 1)
+        last_layers = per_chunk - (short >= 2)
+        first = max(
+            min(p, m) * first_layers * per_layer + min(p, m) * embedding,
+            min(p - 1, m) * per_chunk * per_layer,
+        )
+        return max(first, last_layers * per_layer + output)
+    # Megatron's interleaved warm-up: (v-1) p + 2 (p-1) chunk forwards before a backward.
+    # When the layers fall short of p v full chunks, the first chunk of the first stage
+    # and the last chunk of the last stage hold one layer fewer (Llama 3's balance: the
+    # embedding and the output layer take a layer's place); in-flight chunks then hold
+    # the stage's average layers per chunk.
+    short = per_chunk * p * v - model.layers
+    first_chunks, last_chunks = min(v * p + p - 1, v * m), min((v - 1) * p + 1, v * m)
+    first_per_chunk = (per_stage - (short >= 1)) / v
+    last_per_chunk = (per_stage - (short >= 2)) / v
+    first = first_chunks * first_per_chunk * per_layer + min(p, m) * embedding
+    middle = min(v * p + p - 3, v * m) * per_chunk * per_layer if p > 2 else 0.0
+    last = last_chunks * last_per_chunk * per_layer + output
+    return max(first, middle if short else 0.0, last)
 
 
 def activation_bytes_per_gpu(
@@ -359,6 +584,7 @@ def activation_bytes_per_gpu(
     recompute: str = "none",
     sequence_parallel: bool = True,
     virtual_stages: int = 1,
+    context_parallel: int = 1,
 ) -> float:
     """Activation bytes on one GPU of the fullest pipeline stage.
 
@@ -370,7 +596,10 @@ def activation_bytes_per_gpu(
     first stage. Added outside the layers (section 4.3): the embedding's 1-byte
     dropout mask on the first stage, and on the last the final layer norm's input,
     the output layer's input and the fp32 logits the loss needs (``4 s b vocab / t``).
-    Without pipelining all of it lands on one stage, once.
+    Without pipelining all of it lands on one stage, once. Context parallelism
+    (``context_parallel`` ranks) keeps ``seq_len / context_parallel`` tokens of every
+    sequence on each GPU, so every term shrinks by that factor (with a fused attention
+    kernel no term grows with the whole sequence).
     """
     if not isinstance(model, Model):
         raise ValueError(f"model must be a planner.Model, got {type(model).__name__}")
@@ -381,18 +610,194 @@ def activation_bytes_per_gpu(
     mode = _recompute("recompute", recompute)
     sp = _checks.boolean("sequence_parallel", sequence_parallel)
     v = _checks.count("virtual_stages", virtual_stages, minimum=1) if p > 1 else 1
-    if p * v > model.layers:
-        raise ValueError(f"pp x virtual_stages must be <= layers ({model.layers}), got {p * v}")
-    return _activations(model, t, p, b, m, mode, sp, v)
+    if p * v > model.layers + 2:
+        raise ValueError(
+            f"pp x virtual_stages must be <= layers + 2 ({model.layers + 2}), got {p * v}"
+        )
+    c = _checks.count("context_parallel", context_parallel, minimum=1)
+    if model.seq_len % c:
+        raise ValueError(
+            f"context_parallel must divide seq_len ({model.seq_len}), got {context_parallel}"
+        )
+    return _activations(model, t, p, b, m, mode, sp, v, c)
 
 
 @dataclass(frozen=True)
 class _Options:
     sequence_parallel: bool
     virtual_stages: int
-    efficiency: float
+    efficiency: float | None
     usable_memory: float
     max_bubble: float
+    band: str = "point"
+    schedule: str = "1f1b"
+    fp32_gradients: bool = False
+
+
+GEMM_SHARE = {"low": 0.58, "point": 0.64, "high": 0.70}
+"""Share of peak a bf16 GEMM sustains when it is compute bound (full waves), by band.
+Read off one measurement, not fitted to the runs: Korthikanti et al.'s Table 4 times
+one layer of their 22B model on 8 A100s (micro-batch 4, TP 8): 7.7 ms forward, 11.9 ms
+backward. With this band the model puts that forward at 6.6-8.0 ms (7.3 central:
+GEMMs, element-wise traffic and two tensor-parallel all-reduces) and the backward at
+12.0-14.9 ms. One of the sources of :func:`estimate_run`'s range."""
+
+ELEMENTWISE_TRAFFIC = {"low": 4.0, "point": 3.0, "high": 2.0}
+"""Bytes the element-wise kernels (norms, softmax, dropout, GeLU, residual adds) move
+per byte of activation a layer keeps for backward, over forward and backward
+together, by band (pessimistic ``low``). Derivation: each kept activation is written
+once forward and read once backward (2); the backward writes a gradient of each and
+reads inputs it did not keep (up to 2 more)."""
+
+OVERLAP = {"low": 0.0, "point": 0.5, "high": 1.0}
+"""Share of the communication that *can* hide under compute that does hide, by band:
+data-parallel traffic under the backward (and ZeRO-3's gathers under the forward),
+and the backward's tensor-parallel collectives under the weight-gradient GEMMs
+(Korthikanti et al. section 6.2 overlap them; their Table 5 runs do not overlap the
+data-parallel all-reduce). The other source of :func:`estimate_run`'s range."""
+
+
+SCHEDULES = ("1f1b", "zb-h1")
+"""Pipeline schedules the planner prices: 1F1B (interleaved when ``virtual_stages`` > 1;
+bubble :func:`trainscale.pipeline.bubble`) and Qi et al.'s zero-bubble ZB-H1 (arXiv
+2401.10241; bubble :func:`trainscale.pipeline.bubble_zb_h1`, the weight-gradient pass
+taken as half of the backward: its GEMMs are half of the backward's), which keeps
+1F1B's activation memory and needs ``m >= p`` micro-batches and no interleaving."""
+
+TILE = (256, 128)
+"""Output tile of one thread block in a large cuBLAS bf16 GEMM, rows x columns (NVIDIA's
+"Matrix Multiplication Background" user's guide, section 2.3, lists 256 x 128 as the
+most efficient of its typical tiles)."""
+
+
+def gemm_seconds(
+    m: float,
+    k: float,
+    n: float,
+    peak_flops: float,
+    bandwidth: float,
+    share: float,
+    batch: float = 1,
+    multiprocessors: int = 132,
+) -> float:
+    """Time in seconds of ``batch`` bf16 GEMMs ``(m x k) @ (k x n)``, launched as one kernel.
+
+    Compute: the output is cut into :data:`TILE` tiles, one per thread block, and the
+    ``multiprocessors`` SMs run them in waves; a partly filled last wave takes as long
+    as a full one (wave quantisation, section 3.2 of NVIDIA's "Matrix Multiplication
+    Background" user's guide). Each wave does ``multiprocessors x 2 x 256 x 128 x k``
+    FLOPs at ``share x peak_flops``. Memory: the 16-bit operands and results,
+    ``2 (m k + k n + m n)`` bytes per GEMM, at ``bandwidth``. The kernel takes the
+    longer of the two (the roofline of Williams et al. 2009). So a GEMM's efficiency
+    is a function of its shape: one with a short side (attention's ``Q K^T`` has the
+    head dimension, 128) has few FLOPs per byte, and one with few tiles wastes most
+    of its last wave.
+    """
+    for name, value in (("m", m), ("k", k), ("n", n), ("batch", batch)):
+        _checks.positive(name, value)
+    peak = _checks.positive("peak_flops", peak_flops)
+    bw = _checks.positive("bandwidth", bandwidth)
+    rate = peak * _checks.positive("share", share, maximum=1.0)
+    sms = _checks.count("multiprocessors", multiprocessors, minimum=1)
+    rows, cols = TILE
+    tiles = math.ceil(m / rows) * math.ceil(n / cols) * math.ceil(batch)
+    compute = math.ceil(tiles / sms) * sms * 2 * rows * cols * k / rate
+    return max(compute, batch * 2 * (m * k + k * n + m * n) / bw)
+
+
+@functools.lru_cache(maxsize=4096)
+def _layer_forward(
+    model: Model, cluster: Cluster, t: int, b: int, sp: bool, band: str, c: int = 1, ep: int = 1
+):
+    """Forward seconds of one layer on one GPU: ``(all of it, the attention-score part)``.
+
+    The layer's GEMMs, split over TP as Megatron-LM splits them, each at its roofline
+    (:func:`gemm_seconds`): the QKV projection (``kv_heads`` key/value heads), the
+    output projection, the MLP's input (two matrices if gated) and output matrices,
+    and per head ``Q K^T`` and the product with ``V`` (at the compute roof with a
+    fused attention kernel, whose scores stay on chip and which skips the key blocks
+    the causal mask hides). Plus the element-wise kernels:
+    :data:`ELEMENTWISE_TRAFFIC` x the bytes the layer keeps
+    (:func:`trainscale.checkpointing.layer_activation_bytes`, without the ``5 a s^2 b``
+    scores when attention is fused) at the memory bandwidth, a third of it forward.
+
+    With context parallelism over ``c`` ranks a GPU holds ``s / c`` tokens and their
+    queries meet all ``s`` keys (ring attention, chapter 14). A mixture of experts
+    replaces the MLP by its router (``h x E``) and the ``E / ep`` local experts, run as
+    one batched GEMM of ``b s k ep / (c E)`` rows each (even routing, chapter 15).
+    """
+    s, h, a = model.seq_len, model.hidden, model.heads
+    d, kv = h // a, model.kv_heads or a
+    ffn = model.ffn_hidden or 4 * h
+    peak, bw, share = cluster.peak_flops, cluster.memory_bandwidth, GEMM_SHARE[band]
+    gemm = functools.partial(
+        gemm_seconds,
+        peak_flops=peak,
+        bandwidth=bw,
+        share=share,
+        multiprocessors=cluster.multiprocessors,
+    )
+    rows = b * s / c
+    gates = 2 if model.gated_mlp else 1
+    dense = gemm(rows, h, (h + 2 * kv * d) / t) + gemm(rows, h / t, h)
+    if model.experts is None:
+        dense += gemm(rows, h, ffn * gates / t) + gemm(rows, ffn / t, h)
+    else:
+        local, width = model.experts / ep, model.expert_width
+        per_expert = rows * model.top_k / local
+        dense += gemm(rows, h, model.experts)  # the router
+        dense += gemm(per_expert, h, width * gates / t, batch=local)
+        dense += gemm(per_expert, width / t, h, batch=local)
+    pairs = b * a / t  # (sequence, head) pairs on this GPU
+    shape = model.layer_shape
+    kept = layer_activation_bytes(s // c, b, h, a, t, sp, "none", **shape)
+    if model.fused_attention:  # only the blocks the causal mask leaves
+        scores = pairs * 2 * 2 * (s / c) * s * d * CAUSAL_WORK_SHARE / (peak * share)
+        score_bytes = 0.0
+    else:  # Q K^T, then the probabilities times V
+        scores = gemm(s, d, s, batch=pairs) + gemm(s, s, d, batch=pairs)
+        score_bytes = kept - layer_activation_bytes(s // c, b, h, a, t, sp, "selective", **shape)
+    per_byte = ELEMENTWISE_TRAFFIC[band] / 3 / bw
+    return dense + scores + kept * per_byte, scores + score_bytes * per_byte
+
+
+def _roofline(
+    model, cluster, t, b, layers, mode, sp, band, ends_short: int = 0, c: int = 1, ep: int = 1
+) -> tuple[float, float, float]:
+    """Forward, backward and recomputation seconds of one micro-batch on the slowest stage.
+
+    ``layers`` layers (:func:`_layer_forward`) on a middle stage; the last stage has
+    ``layers - 1`` of them when ``ends_short`` is 2 (the layers fall two short of the
+    stages' slots, and the output layer takes one, as Llama 3 balanced its pipeline),
+    plus the output layer's GEMM and its fp32 logits (``4 s b V / t`` bytes); the
+    pipeline runs at the pace of the slower of the two. Backward is twice the
+    forward (two GEMMs per forward GEMM; element-wise traffic as counted), plus, with
+    a fused attention kernel, half of the attention products once more: its backward
+    recomputes ``Q K^T`` (Dao et al. 2022, section 3.1: five products backward for two
+    forward). Full recomputation repeats the forward of the layers, selective the
+    score part (nothing more with a fused kernel, whose backward already does).
+    """
+    layer, score = _layer_forward(model, cluster, t, b, sp, band, c, ep)
+    rows, share = b * model.seq_len / c, GEMM_SHARE[band]
+    bw = cluster.memory_bandwidth
+    head = gemm_seconds(
+        rows,
+        model.hidden,
+        model.vocab / t,
+        cluster.peak_flops,
+        bw,
+        share,
+        1,
+        cluster.multiprocessors,
+    )
+    head += 4 * rows * model.vocab / t * ELEMENTWISE_TRAFFIC[band] / 3 / bw
+    last_layers = layers - (ends_short >= 2)
+    forward = max(layers * layer, last_layers * layer + head)
+    flash = score / 2 if model.fused_attention else 0.0  # the backward's recomputed Q K^T
+    backward = 2 * forward + (last_layers if forward > layers * layer else layers) * flash
+    selective = 0.0 if model.fused_attention else layers * score
+    recompute = {"full": layers * layer, "selective": selective, "none": 0.0}[mode]
+    return forward, backward, recompute
 
 
 def _options(
@@ -401,17 +806,25 @@ def _options(
     efficiency: object,
     usable_memory: object,
     max_bubble: object,
+    band: str = "point",
+    schedule: object = "1f1b",
+    fp32_gradients: object = False,
 ) -> _Options:
     return _Options(
         sequence_parallel=_checks.boolean("sequence_parallel", sequence_parallel),
         virtual_stages=_checks.count("virtual_stages", virtual_stages, minimum=1),
-        efficiency=_checks.positive("efficiency", efficiency, maximum=1.0),
+        efficiency=None
+        if efficiency is None
+        else _checks.positive("efficiency", efficiency, maximum=1.0),
         usable_memory=_checks.positive("usable_memory", usable_memory, maximum=1.0),
         max_bubble=_checks.fraction("max_bubble", max_bubble),
+        band=str(_checks.choice("band", band, tuple(GEMM_SHARE))),
+        schedule=str(_checks.choice("schedule", schedule, SCHEDULES)),
+        fp32_gradients=_checks.boolean("fp32_gradients", fp32_gradients),
     )
 
 
-def _invalid(t, p, d, zero, mode, b, batch, problems, notes) -> Layout:
+def _invalid(t, p, d, zero, mode, b, batch, problems, notes, c=1, ep=1) -> Layout:
     nan = math.nan
     return Layout(
         tp=t,
@@ -431,22 +844,36 @@ def _invalid(t, p, d, zero, mode, b, batch, problems, notes) -> Layout:
         verdict="invalid",
         problems=tuple(problems),
         notes=tuple(notes),
+        cp=c,
+        ep=ep,
     )
 
 
 def _data_parallel_seconds(
-    per_gpu: int, dp: int, zero: int, link: float, forward: float, backward: float
+    per_gpu: int,
+    dp: int,
+    zero: int,
+    link: float,
+    forward: float,
+    backward: float,
+    gradient_bytes: int = 2,
+    micro_batches: int = 1,
 ) -> tuple[float, float]:
     """Data-parallel seconds not hidden under compute: ``(per micro-batch, once per step)``.
 
     The bytes of each collective come from :func:`trainscale.sharding.zero_collective_bytes`
-    (16-bit weights and gradients of the stage's ``per_gpu`` parameters over ``dp``
-    GPUs), which ones run every micro-batch from :data:`trainscale.sharding.ZERO_COLLECTIVES`.
-    Collectives that hide under the backward pass share one micro-batch's ``backward``
-    (recomputation included); those that hide under the forward pass share one
-    ``forward``; what they take beyond it is exposed.
+    (the stage's ``per_gpu`` parameters over ``dp`` GPUs, 16-bit weights and
+    ``gradient_bytes`` per gradient), which ones run every micro-batch from
+    :data:`trainscale.sharding.ZERO_COLLECTIVES`. Collectives that hide under the
+    backward pass share one micro-batch's ``backward`` (recomputation included); those
+    that hide under the forward pass share one ``forward``; what they take beyond it is
+    exposed. A gradient reduce-scatter that runs after every micro-batch (ZeRO-2 and 3)
+    keeps running while the next micro-batch computes (1F1B, and plain accumulation,
+    start the next forward as soon as a backward ends), so for all but the last of the
+    ``micro_batches`` its window is ``forward + backward``; the last one's is its
+    backward, the difference charged once per step.
     """
-    runs = zero_collective_bytes(per_gpu, dp, zero)
+    runs = zero_collective_bytes(per_gpu, dp, zero, bytes_per_gradient=gradient_bytes)
     seconds: dict[tuple[bool, str], float] = {}
     for c in ZERO_COLLECTIVES[zero]:
         key = (c.per_micro_batch, c.hides_under)
@@ -454,8 +881,182 @@ def _data_parallel_seconds(
     window = {"forward": forward, "backward": backward}
     exposed = {True: 0.0, False: 0.0}
     for (every, phase), busy in seconds.items():
-        exposed[every] += max(0.0, busy - window[phase])
+        last = max(0.0, busy - window[phase])
+        if every and phase == "backward" and micro_batches > 1:
+            others = max(0.0, busy - forward - backward)
+            exposed[True] += others
+            exposed[False] += last - others
+        else:
+            exposed[every] += last
     return exposed[True], exposed[False]
+
+
+COLLECTIVE_STEP_SECONDS = 5e-6
+"""Latency of one step of a ring collective between nodes, in seconds (an assumption:
+NCCL's per-hop latency over InfiniBand is a few microseconds). A ring over ``n`` GPUs
+takes ``n - 1`` steps, so it matters only where collectives are many and small."""
+
+
+def _zero3_extra(
+    per_gpu: int, dp: int, zero: int, mode: str, layers: int, link: float
+) -> tuple[float, float]:
+    """ZeRO-3's costs beyond the bytes of :data:`trainscale.sharding.ZERO_COLLECTIVES`:
+    ``(regather, latency)`` seconds per micro-batch.
+
+    Regather: ZeRO-3 frees the gathered weights after the forward, so full
+    recomputation gathers them once more (DeepSpeed's checkpointed layers re-run their
+    forward hooks); it can hide under the recomputation. Latency: ZeRO-3 gathers and
+    reduce-scatters layer by layer, ``layers x collectives`` rings of ``dp - 1`` steps
+    of :data:`COLLECTIVE_STEP_SECONDS` each, which nothing hides.
+    """
+    if zero != 3:
+        return 0.0, 0.0
+    gather = zero_collective_bytes(per_gpu, dp, zero)["all-gather of weights, forward"] / link
+    regather = gather if mode == "full" else 0.0
+    collectives = len(ZERO_COLLECTIVES[zero]) + (mode == "full")
+    return regather, layers * collectives * (dp - 1) * COLLECTIVE_STEP_SECONDS
+
+
+def _zero3_prefetch(
+    per_gpu: int,
+    dp: int,
+    mode: str,
+    layers: int,
+    link: float,
+    forward: float,
+    backward: float,
+    gradient_bytes: int = 2,
+) -> float:
+    """ZeRO-3's exposed data-parallel seconds per micro-batch, gathered layer by layer
+    with prefetching as FSDP and DeepSpeed do it.
+
+    The next layer's all-gather is issued while this layer computes (PyTorch FSDP's
+    ``forward_prefetch`` and ``backward_prefetch``, Zhao et al. 2023, arXiv 2304.11277;
+    DeepSpeed ZeRO-3 prefetches too), so per layer only ``max(0, traffic - compute)`` is
+    exposed, plus the first layer's gather, which nothing precedes, and the last
+    reduce-scatter, which nothing follows. Forward: one gather per layer under ``forward / layers``.
+    Backward: the gather again (twice with full recomputation, whose re-run forward
+    gathers too, see :func:`_zero3_extra`) and the reduce-scatter of the layer's
+    gradients, under ``backward / layers`` (recomputation included). Bytes from
+    :func:`trainscale.sharding.zero_collective_bytes`, shared equally by the layers.
+    """
+    runs = zero_collective_bytes(per_gpu, dp, 3, bytes_per_gradient=gradient_bytes)
+    gather = runs["all-gather of weights, forward"] / link / layers
+    scatter = runs["reduce-scatter of gradients"] / link / layers
+    gathers = 2 if mode == "full" else 1
+    ahead = (layers - 1) * max(0.0, gather - forward / layers)
+    behind = (layers - 1) * max(0.0, gathers * gather + scatter - backward / layers)
+    return gather + ahead + gathers * gather + behind + scatter
+
+
+def _context_parallel_seconds(
+    model: Model,
+    t: int,
+    b: int,
+    c: int,
+    layers: int,
+    mode: str,
+    link: float,
+    attention: float,
+    overlap: float,
+) -> float:
+    """Ring attention's exposed seconds per micro-batch on one GPU of the fullest stage.
+
+    Per layer, the keys and values of ``s / c`` tokens travel the ring
+    (:func:`trainscale.context.ring_bytes_per_rank`, 16-bit, the ``kv_heads`` of one
+    TP rank), forward and backward, and once more forward under full recomputation.
+    Each step's transfer overlaps the attention of the block it brings (Liu et al.
+    2023), so :data:`OVERLAP` of the traffic hides under ``attention``, the forward
+    seconds of the layer's attention products (backward: 2.5 times as long, its four
+    products and the recomputed ``Q K^T`` of a fused kernel); the rest is exposed.
+    """
+    if c == 1:
+        return 0.0
+    head = model.hidden // model.heads
+    width = -(-(model.kv_heads or model.heads) // t) * head
+    local = model.seq_len // c
+    forward = ring_bytes_per_rank(local, c, width, 2, b) / link
+    backward = ring_bytes_per_rank(local, c, width, 2, b, backward=True) / link
+    passes = [(forward, attention), (backward, 2.5 * attention)]
+    if mode == "full":
+        passes.append((forward, attention))
+    exposed = sum(
+        overlap * max(0.0, comm - window) + (1 - overlap) * comm for comm, window in passes
+    )
+    return layers * exposed
+
+
+def _expert_parallel_seconds(
+    model: Model, t: int, b: int, c: int, ep: int, layers: int, mode: str, link: float
+) -> float:
+    """The all-to-alls of the fullest stage's MoE layers, seconds per micro-batch.
+
+    Each of the ``layers`` runs :data:`trainscale.experts.ALL_TO_ALLS_PER_LAYER`
+    all-to-alls (two more when full recomputation repeats the forward), each sending
+    :func:`trainscale.experts.all_to_all_bytes_per_rank` of the GPU's ``b s / (c t)``
+    tokens (with TP, each rank dispatches its share of the sequence: Megatron-core
+    requires sequence parallelism with TP and EP, :func:`_parallel_notes`). Not
+    overlapped: the dispatch waits for the router and the experts wait for the dispatch.
+    """
+    if model.experts is None or ep == 1:
+        return 0.0
+    tokens = b * model.seq_len / (c * t)
+    each = all_to_all_bytes_per_rank(tokens, model.hidden, model.top_k, ep)
+    count = ALL_TO_ALLS_PER_LAYER + (2 if mode == "full" else 0)
+    return layers * count * each / link
+
+
+def _model_state(
+    model: Model,
+    per_stage: int,
+    stage_total: int,
+    t: int,
+    d: int,
+    c: int,
+    ep: int,
+    zero: int,
+    fp32: bool,
+) -> tuple[dict[str, int], float]:
+    """Model-state bytes on one GPU, and the parameters its data-parallel traffic carries.
+
+    The dense parameters of the stage are split over TP and sharded by ZeRO over the
+    ``d c`` ranks that hold the same ones (Megatron-core reduces gradients over DP and
+    CP together); the experts' over ``t ep`` and sharded over the ``d c / ep`` ranks
+    that hold the same experts. The second number is the dense parameters plus the
+    expert ones scaled to the dense group's ring share (``(n-1)/n``), so one call of
+    the data-parallel cost prices both groups.
+    """
+    experts = per_stage * model.expert_params_per_layer
+    dense_gpu = -(-(stage_total - experts) // t)
+    state = dict(_state(dense_gpu, d * c, zero, fp32))
+    if not experts:
+        return state, dense_gpu
+    expert_gpu = -(-experts // (t * ep))
+    group = d * c // ep
+    for key, value in _state(expert_gpu, group, zero, fp32):
+        state[key] += value
+    ring, expert_ring = (d * c - 1) / (d * c), (group - 1) / group
+    return state, dense_gpu + math.ceil(expert_gpu * expert_ring / ring if ring else 0)
+
+
+def _parallel_notes(model: Model, t: int, d: int, c: int, ep: int, sp: bool) -> list[str]:
+    """Why a context- or expert-parallel degree cannot be used, if it cannot.
+
+    Megatron-core's rules: EP must divide the experts and DP, and EP with TP needs
+    sequence parallelism ("When using expert parallelism and tensor parallelism,
+    sequence parallelism must be used", ``TransformerConfig``)."""
+    notes = []
+    if ep > 1 and t > 1 and not sp:
+        notes.append(f"EP {ep} with TP {t} needs sequence parallelism")
+    if c > 1 and not model.fused_attention:
+        notes.append(f"CP {c} needs a fused (ring) attention kernel")
+    if model.seq_len % (2 * c):
+        notes.append(f"CP {c} does not split the {model.seq_len} tokens into {2 * c} chunks")
+    if ep > 1 and (model.experts is None or model.experts % ep):
+        notes.append(f"EP {ep} does not divide the model's experts ({model.experts})")
+    if d % ep:
+        notes.append(f"EP {ep} does not divide DP {d}")
+    return notes
 
 
 def _evaluate(
@@ -469,15 +1070,19 @@ def _evaluate(
     mode: str,
     b: int,
     opt: _Options,
+    c: int = 1,
+    ep: int = 1,
 ) -> Layout:
     v = opt.virtual_stages if p > 1 else 1  # without a pipeline there is nothing to interleave
-    notes = []
+    notes = _parallel_notes(model, t, d, c, ep, opt.sequence_parallel) if c > 1 or ep > 1 else []
     if model.heads % t:
         notes.append(f"TP {t} does not divide the {model.heads} attention heads")
-    if p * v > model.layers:
+    if p * v > model.layers + 2:  # the embedding and the output layer may fill one each
         notes.append(f"{p * v} pipeline chunks for {model.layers} layers")
     if batch % d:
         notes.append(f"DP {d} does not divide the global batch of {batch} sequences")
+    elif opt.schedule == "zb-h1" and p > 1 and (v > 1 or batch // (d * b) < p):
+        notes.append("ZB-H1 needs at least as many micro-batches as stages, not interleaved")
     elif (batch // d) % b:
         notes.append(f"micro-batch {b} does not divide the {batch // d} sequences per DP rank")
     tp_across = cluster.gpus_per_node % t != 0
@@ -487,9 +1092,19 @@ def _evaluate(
     if notes:
         if tp_across:
             return _invalid(
-                t, p, d, zero, mode, b, batch, ["invalid", "TP across nodes"], [*notes, across]
+                t,
+                p,
+                d,
+                zero,
+                mode,
+                b,
+                batch,
+                ["invalid", "TP across nodes"],
+                [*notes, across],
+                c,
+                ep,
             )
-        return _invalid(t, p, d, zero, mode, b, batch, ["invalid"], notes)
+        return _invalid(t, p, d, zero, mode, b, batch, ["invalid"], notes, c, ep)
 
     m = batch // (d * b)
     s, h, gpn = model.seq_len, model.hidden, cluster.gpus_per_node
@@ -497,55 +1112,101 @@ def _evaluate(
 
     # Memory on the fullest stage.
     _, per_stage, imbalance, stage_total = _stage(model, p, v)
-    per_gpu = -(-stage_total // t)
-    state = dict(_state(per_gpu, d, zero))
-    activations = _activations(model, t, p, b, m, mode, opt.sequence_parallel, v)
+    state, per_gpu = _model_state(
+        model, per_stage, stage_total, t, d, c, ep, zero, opt.fp32_gradients
+    )
+    dp_ranks = d * c  # the ranks that hold the same dense parameters
+    grad_bytes = 4 if opt.fp32_gradients else 2
+    activations = _activations(model, t, p, b, m, mode, opt.sequence_parallel, v, c)
     memory_parts = {**state, "activations": activations}
     memory = sum(memory_parts.values())
 
-    # Compute of one micro-batch on the slowest stage, at the achievable FLOP rate.
-    rate = cluster.peak_flops * opt.efficiency
-    six = sum(FLOPS_PER_PARAM_PER_TOKEN.values())
-    compute = six * model.params * b * s / (p * t) * imbalance / rate
-    forward = compute * FLOPS_PER_PARAM_PER_TOKEN["forward"] / six
-    backward = compute - forward
-    if mode == "full":
-        recompute = forward  # one more forward pass
-    elif mode == "selective":  # the attention scores of every layer, again
-        recompute = selective_recompute_flops(s, b, h, t) * per_stage / rate
+    # Compute of one micro-batch on the slowest stage: at the roofline of each
+    # kernel (efficiency=None), or 6N FLOPs at one achievable FLOP rate.
+    if opt.efficiency is None:
+        short = -(-model.layers // (p * v)) * p * v - model.layers if p > 1 else 0
+        forward, backward, recompute = _roofline(
+            model, cluster, t, b, per_stage, mode, opt.sequence_parallel, opt.band, short, c, ep
+        )
+        compute = forward + backward
+        attention = _layer_forward(model, cluster, t, b, opt.sequence_parallel, opt.band, c, ep)[1]
     else:
-        recompute = 0.0
+        rate = cluster.peak_flops * opt.efficiency
+        six = sum(FLOPS_PER_PARAM_PER_TOKEN.values())
+        compute = six * model.active_params * b * s / (p * t * c) * imbalance / rate
+        attention = 4 * b * (s / c) * s * h / t / rate
+        forward = compute * FLOPS_PER_PARAM_PER_TOKEN["forward"] / six
+        backward = compute - forward
+        if mode == "full":
+            recompute = forward  # one more forward pass
+        elif mode == "selective":  # the attention scores of every layer, again
+            recompute = selective_recompute_flops(s, b, h, t) * per_stage / rate
+        else:
+            recompute = 0.0
+    overlap = 1.0 if opt.efficiency is not None else OVERLAP[opt.band]
 
     # Tensor parallelism: 2 all-reduces forward, 2 backward (and 2 more when the
     # forward is recomputed), of s x b x h 16-bit values, per layer and micro-batch.
     tp_link = inter if tp_across else intra
     collectives = 6 if mode == "full" else 4
     tensor = per_stage * collectives * ring_factor(t) * 2 * s * b * h / tp_link
+    if opt.efficiency is None:  # the backward's two hide under weight-gradient GEMMs
+        tensor -= overlap * min(tensor * 2 / collectives, backward / 2)
+
+    # Context and expert parallelism: ring attention's keys and values, the MoE
+    # all-to-alls. Megatron's rank order TP, CP, DP (EP inside DP), PP.
+    cp_link = intra if gpn % (t * c) == 0 else inter
+    ep_link = intra if gpn % (t * c * ep) == 0 else inter
+    context = _context_parallel_seconds(
+        model, t, b, c, per_stage, mode, cp_link, attention, overlap
+    )
+    expert = _expert_parallel_seconds(model, t, b, c, ep, per_stage, mode, ep_link)
 
     # Pipeline: each micro-batch sends its activations forward and its gradient
     # back, 1/t of them per GPU (Megatron's scatter/gather), once per model chunk.
     pp_link = intra if cluster.nodes == 1 else inter
-    sends = 0.0 if p == 1 else 2 * v * 2 * s * b * h / t / pp_link
+    sends = 0.0 if p == 1 else 2 * v * 2 * (s / c) * b * h / t / pp_link
 
-    # Data parallelism over the 16-bit gradients and weights of the stage.
-    dp_link = intra if gpn % (t * d) == 0 else inter
+    # Data parallelism over the 16-bit gradients and weights of the stage, reduced
+    # over the DP and CP ranks together.
+    dp_link = intra if gpn % (t * c * d) == 0 else inter
     window = backward + recompute  # what one micro-batch's backward phase lasts
-    dp_each, dp_once = _data_parallel_seconds(per_gpu, d, zero, dp_link, forward, window)
+    dp_each, dp_once = _data_parallel_seconds(
+        per_gpu, dp_ranks, zero, dp_link, forward, window, grad_bytes, m
+    )
+    if opt.efficiency is None:
+        regather, latency = _zero3_extra(per_gpu, dp_ranks, zero, mode, per_stage, dp_link)
+        all_each, all_once = _data_parallel_seconds(
+            per_gpu, dp_ranks, zero, dp_link, 0.0, 0.0, grad_bytes
+        )
+        hidden_each = dp_each + max(0.0, regather - recompute)
+        dp_each = overlap * hidden_each + (1 - overlap) * (all_each + regather) + latency
+        dp_once = overlap * dp_once + (1 - overlap) * all_once
+        if zero == 3:  # prefetched layer by layer; OVERLAP: how much of the prefetch works
+            best = _zero3_prefetch(
+                per_gpu, dp_ranks, mode, per_stage, dp_link, forward, window, grad_bytes
+            )
+            dp_each = overlap * best + (1 - overlap) * (all_each + regather) + latency
 
-    per_micro = compute + recompute + tensor + sends + dp_each
+    per_micro = compute + recompute + tensor + context + expert + sends + dp_each
     busy = m * per_micro
-    idle_share = bubble(p, m, v)
+    if opt.schedule == "zb-h1" and p > 1:
+        idle_share = bubble_zb_h1(p, m, forward, backward, min(backward / 2, forward))
+    else:
+        idle_share = bubble(p, m, v)
     times = {
         "compute": m * compute,
         "recomputation": m * recompute,
         "tensor-parallel traffic": m * tensor,
+        "context-parallel traffic": m * context,
+        "expert-parallel traffic": m * expert,
         "pipeline sends": m * sends,
         "data-parallel traffic": m * dp_each + dp_once,
         "pipeline bubble": busy * idle_share / (1 - idle_share),  # idle = busy x b / (1 - b)
     }
     step = sum(times.values())
     bubble_share = times["pipeline bubble"] / step
-    utilisation = mfu(batch * s / step, model.params, t * p * d, cluster.peak_flops)
+    utilisation = mfu(batch * s / step, model.active_params, t * c * p * d, cluster.peak_flops)
 
     problems = []
     if memory > opt.usable_memory * cluster.memory_bytes:
@@ -579,6 +1240,10 @@ def _evaluate(
         verdict=verdict,
         problems=tuple(sorted(problems, key=_SEVERITY.index)),
         notes=tuple(notes),
+        virtual_stages=v,
+        sequence_parallel=opt.sequence_parallel,
+        cp=c,
+        ep=ep,
     )
 
 
@@ -603,17 +1268,25 @@ def evaluate(
     *,
     sequence_parallel: bool = True,
     virtual_stages: int = 1,
-    efficiency: float = KERNEL_EFFICIENCY,
+    efficiency: float | None = None,
     usable_memory: float = USABLE_MEMORY,
     max_bubble: float = MAX_BUBBLE,
+    schedule: str = "1f1b",
+    fp32_gradients: bool = False,
+    context_parallel: int = 1,
+    expert_parallel: int = 1,
 ) -> Layout:
     """Estimate memory per GPU, step time and MFU of one layout.
 
-    ``global_batch`` is in sequences; ``tp * pp * dp`` must equal the cluster's
-    GPUs. The pipeline runs ``m = global_batch / (micro_batch * dp)`` micro-batches
+    ``global_batch`` is in sequences; ``tp * context_parallel * pp * dp`` must equal
+    the cluster's GPUs; ``expert_parallel`` spreads a mixture of experts over that many
+    of the DP ranks (:func:`_context_parallel_seconds`, :func:`_expert_parallel_seconds`
+    price their traffic). The pipeline runs ``m = global_batch / (micro_batch * dp)`` micro-batches
     per step (the accumulation steps), each taking on the slowest stage:
 
-    * compute: ``6 N b s / (pp tp)`` FLOPs at ``peak * efficiency``, times the
+    * compute: with ``efficiency=None`` (the default) the roofline of every kernel of
+      the stage's layers (:func:`gemm_seconds`, the module docstring lists the terms);
+      with a number, ``6 N b s / (pp tp)`` FLOPs at ``peak * efficiency``, times the
       layer imbalance when ``pp`` does not divide the layers;
     * recomputation: full, one more forward pass (a third more compute); selective,
       the attention scores again
@@ -640,8 +1313,9 @@ def evaluate(
       the traffic of the others.
 
     Then the pipeline idles :func:`trainscale.pipeline.bubble`, ``(p-1)/(v m + p - 1)``,
-    of its time (chapter 07): ``(pp - 1) / virtual_stages`` micro-batch slots. The verdict is
-    ``out of memory`` beyond ``usable_memory`` of the GPU, ``TP across nodes``
+    of its time (chapter 07): ``(pp - 1) / virtual_stages`` micro-batch slots; with
+    ``schedule="zb-h1"`` (:data:`SCHEDULES`) :func:`trainscale.pipeline.bubble_zb_h1`.
+    The verdict is ``out of memory`` beyond ``usable_memory`` of the GPU, ``TP across nodes``
     when a TP group spans nodes, ``bubble too large`` beyond ``max_bubble``, and
     ``invalid`` when TP does not divide the heads, the chunks outnumber the layers,
     or DP and the micro-batch do not divide the batch.
@@ -650,15 +1324,27 @@ def evaluate(
     t = _checks.count("tp", tp, minimum=1)
     p = _checks.count("pp", pp, minimum=1)
     d = _checks.count("dp", dp, minimum=1)
-    if t * p * d != cluster.gpus:
+    c = _checks.count("context_parallel", context_parallel, minimum=1)
+    ep = _checks.count("expert_parallel", expert_parallel, minimum=1)
+    if t * c * p * d != cluster.gpus:
         raise ValueError(
-            f"tp x pp x dp must equal the cluster's {cluster.gpus} GPUs, got {t}x{p}x{d}"
+            f"tp x pp x dp x context_parallel must equal the cluster's {cluster.gpus} GPUs,"
+            f" got {t}x{p}x{d}x{c}"
         )
     zero = _zero("zero_stage", zero_stage)
     mode = _recompute("recompute", recompute)
     b = _checks.count("micro_batch", micro_batch, minimum=1)
-    opt = _options(sequence_parallel, virtual_stages, efficiency, usable_memory, max_bubble)
-    return _evaluate(model, cluster, batch, t, p, d, zero, mode, b, opt)
+    opt = _options(
+        sequence_parallel,
+        virtual_stages,
+        efficiency,
+        usable_memory,
+        max_bubble,
+        "point",
+        schedule,
+        fp32_gradients,
+    )
+    return _evaluate(model, cluster, batch, t, p, d, zero, mode, b, opt, c, ep)
 
 
 def _subset(name: str, values: object, convert, allowed: str) -> tuple:
@@ -708,18 +1394,27 @@ def plan(
     recompute: Sequence[str] = RECOMPUTE,
     sequence_parallel: bool = True,
     virtual_stages: int = 1,
-    efficiency: float = KERNEL_EFFICIENCY,
+    efficiency: float | None = None,
     usable_memory: float = USABLE_MEMORY,
     max_bubble: float = MAX_BUBBLE,
+    schedule: str = "1f1b",
+    fp32_gradients: bool = False,
+    context_parallel: Sequence[int] | None = None,
+    expert_parallel: Sequence[int] | None = None,
 ) -> list[Layout]:
     """Every layout of ``cluster.gpus`` GPUs, estimated and ranked.
 
-    TP runs over every divisor of the GPU count, PP over every divisor of what TP
-    leaves, DP takes the rest, so ``TP x PP x DP`` always equals the GPU count;
-    each shape is tried with every ZeRO stage, recomputation mode and micro-batch
-    size given. Pipeline stages need not divide the layers evenly (see
-    :func:`stage_params`). Layouts that break a rule are kept with the verdict
-    ``invalid`` so a reader can see why they were rejected.
+    ``context_parallel`` and ``expert_parallel`` are the CP and EP degrees to try;
+    ``None`` tries those that can help (:func:`context_parallel_degrees`,
+    :func:`expert_parallel_degrees`): for a dense model with short sequences only 1.
+
+    TP runs over every divisor of the GPU count, CP over the degrees given that
+    divide what TP leaves, PP over every divisor of what TP and CP leave, DP takes
+    the rest, so ``TP x CP x PP x DP`` always equals the GPU count; each shape is
+    tried with every EP degree given that divides DP, every ZeRO stage,
+    recomputation mode and micro-batch size given. Pipeline stages need not divide
+    the layers evenly (see :func:`stage_params`). Layouts that break a rule are kept
+    with the verdict ``invalid`` so a reader can see why they were rejected.
 
     Ranked: layouts that fit without any problem first, fastest estimated step
     first, ties going to less memory; then all the others, the same way; the
@@ -729,17 +1424,87 @@ def plan(
     micros = _subset("micro_batches", micro_batches, _micro, "whole numbers >= 1")
     stages = _subset("zero_stages", zero_stages, _zero, "ZeRO stages 0-3")
     modes = _subset("recompute", recompute, _recompute, f"modes from {RECOMPUTE}")
-    opt = _options(sequence_parallel, virtual_stages, efficiency, usable_memory, max_bubble)
+    opt = _options(
+        sequence_parallel,
+        virtual_stages,
+        efficiency,
+        usable_memory,
+        max_bubble,
+        "point",
+        schedule,
+        fp32_gradients,
+    )
     gpus = cluster.gpus
+    cps = (
+        context_parallel_degrees(model, cluster)
+        if context_parallel is None
+        else _subset("context_parallel", context_parallel, _micro, "whole numbers >= 1")
+    )
+    eps = (
+        expert_parallel_degrees(model)
+        if expert_parallel is None
+        else _subset("expert_parallel", expert_parallel, _micro, "whole numbers >= 1")
+    )
     layouts = [
-        _evaluate(model, cluster, batch, t, p, gpus // (t * p), zero, mode, b, opt)
+        _evaluate(model, cluster, batch, t, p, gpus // (t * c * p), zero, mode, b, opt, c, ep)
         for t in _divisors(gpus)
-        for p in _divisors(gpus // t)
+        for c in cps
+        if (gpus // t) % c == 0
+        for p in _divisors(gpus // (t * c))
+        for ep in eps
+        if (gpus // (t * c * p)) % ep == 0
         for zero in stages
         for mode in modes
         for b in micros
     ]
     return sorted(layouts, key=_sort_key)
+
+
+def context_parallel_degrees(model: Model, cluster: Cluster) -> tuple[int, ...]:
+    """The CP degrees :func:`plan` tries by default: 1, and each power of two ``c`` up to
+    the GPU count for which CP can help.
+
+    CP needs a fused attention kernel (ring attention keeps the online softmax's
+    running sums, never the ``s x s`` scores) and ``2 c`` equal chunks of the sequence
+    (the zig-zag layout that balances the causal mask, chapter 14). Degree ``c`` is
+    tried when a GPU's ``s / c`` tokens are at least both thresholds of chapter 14:
+    :func:`trainscale.context.cp_beats_tp_local_tokens` for ``c`` shards (``9 h g /
+    (c - 1)`` tokens, ``g`` the share of key-value heads: from there the ring's
+    traffic per FLOP is below that of a TP group of the same size, so splitting the
+    sequence costs less than splitting the layers further), and
+    :func:`trainscale.context.cp_hiding_threshold_tokens` over the inter-node link (the
+    ring's traffic hides under attention even between nodes). At
+    :data:`KERNEL_EFFICIENCY`. A 4,096-token, 8,192-wide model never qualifies, nor do
+    Llama 3 405B's 8,192 tokens; 131,072 tokens with grouped-query attention do.
+    """
+    if not isinstance(model, Model):
+        raise ValueError(f"model must be a planner.Model, got {type(model).__name__}")
+    if not isinstance(cluster, Cluster):
+        raise ValueError(f"cluster must be a planner.Cluster, got {type(cluster).__name__}")
+    if not model.fused_attention:
+        return (1,)
+    share = (model.kv_heads or model.heads) / model.heads
+    peak, link = cluster.peak_flops, cluster.inter_node_bandwidth
+    hides = cp_hiding_threshold_tokens(peak, KERNEL_EFFICIENCY, link, kv_share=share)
+    degrees, c = [1], 2
+    while c <= cluster.gpus and model.seq_len % (2 * c) == 0:
+        local = model.seq_len / c
+        beats = cp_beats_tp_local_tokens(
+            model.hidden, c, peak, KERNEL_EFFICIENCY, link, kv_share=share
+        )
+        if local < max(beats, hides):
+            break
+        degrees.append(c)
+        c *= 2
+    return tuple(degrees)
+
+
+def expert_parallel_degrees(model: Model) -> tuple[int, ...]:
+    """The EP degrees :func:`plan` tries by default: every divisor of the model's experts
+    (1 for a dense model); :func:`plan` keeps those that also divide DP."""
+    if not isinstance(model, Model):
+        raise ValueError(f"model must be a planner.Model, got {type(model).__name__}")
+    return (1,) if model.experts is None else tuple(_divisors(model.experts))
 
 
 def top_layouts(layouts: Sequence[Layout], count: int = 5) -> list[Layout]:
@@ -783,6 +1548,8 @@ def node_settings(gpu: str, inter_node_bandwidth: float) -> dict[str, float]:
         "peak_flops": spec.peak_flops,
         "intra_node_bandwidth": spec.nvlink_bandwidth,
         "inter_node_bandwidth": _checks.positive("inter_node_bandwidth", inter_node_bandwidth),
+        "memory_bandwidth": spec.memory_bandwidth,
+        "multiprocessors": spec.multiprocessors,
     }
 
 
@@ -813,13 +1580,40 @@ def _published(run: object) -> PublishedRun:
     return run
 
 
+FUSED_ATTENTION_SOURCES = ("dubey2024llama3",)
+"""Bib keys of the calibration runs that used a fused (FlashAttention-style) attention
+kernel. FlashAttention (Dao et al., arXiv 2205.14135) appeared in May 2022; Narayanan
+et al. (2021), Korthikanti et al. and BLOOM (both trained before it) used Megatron-LM's
+fused softmax, which still writes the ``s x s`` scores to memory; Llama 3 (2024)
+names a fused attention kernel. A property of the software a paper used, not a tuned
+constant."""
+
+
+def _cites(run: PublishedRun, keys: Iterable[str]) -> bool:
+    """Whether the run's source names one of the bib ``keys``."""
+    return any(f"bib key {key}" in run.source for key in keys)
+
+
+FP32_GRADIENT_SOURCES = ("dubey2024llama3",)
+"""Bib keys of the calibration runs that accumulate and reduce gradients in fp32
+(:data:`FP32_GRADIENTS`): Llama 3, section 3.3.2. The Megatron-LM runs and BLOOM
+reduce 16-bit gradients (Megatron-LM's default)."""
+
+NO_DROPOUT_SOURCES = ("dubey2024llama3",)
+"""Bib keys of the calibration runs whose layers have no dropout: Llama 3's reference
+model (meta-llama/llama3, ``llama/model.py``) has none, so no 1-byte masks are kept.
+Megatron-LM's GPT runs and BLOOM use dropout (Megatron-LM's default, 0.1)."""
+
+
 def published_model(run: PublishedRun) -> Model:
     """The planner's :class:`Model` of a published run.
 
     Tied embeddings are read off the published parameter count
-    (:attr:`trainscale.published.PublishedRun.tied_embeddings`). Grouped-query
-    attention and a gated MLP change only how the parameters are counted, which
-    ``params`` already does; the activation count stays GPT-style (an approximation).
+    (:attr:`trainscale.published.PublishedRun.tied_embeddings`); grouped-query
+    attention, the MLP width and its gating go to the roofline step time; the
+    attention kernel is fused when the run's source is in :data:`FUSED_ATTENTION_SOURCES`.
+    Activation memory stays GPT-style (Korthikanti et al.'s count, an approximation
+    for gated MLPs).
     """
     run = _published(run)
     return Model(
@@ -830,6 +1624,11 @@ def published_model(run: PublishedRun) -> Model:
         seq_len=run.seq_len,
         vocab=run.vocab,
         tied_embeddings=run.tied_embeddings,
+        kv_heads=run.kv_heads,
+        ffn_hidden=run.ffn_hidden,
+        gated_mlp=bool(run.gated_mlp),
+        fused_attention=_cites(run, FUSED_ATTENTION_SOURCES),
+        dropout=not _cites(run, NO_DROPOUT_SOURCES),
     )
 
 
@@ -858,31 +1657,132 @@ def reported_mfu_6n(run: PublishedRun) -> float:
     return mfu(run.tokens_per_step / run.step_seconds, run.params, run.gpus, peak)
 
 
-def estimate_run(run: PublishedRun, **options) -> Layout | None:
-    """The planner's best layout with a published run's TP, PP and DP.
+def reported_mfu(run: PublishedRun) -> float:
+    """A published run's MFU in the ``6 N`` convention (:func:`reported_mfu_6n`)."""
+    return reported_mfu_6n(run)
 
-    ``options`` go to :func:`plan` (e.g. ``virtual_stages=2``); the run's own
-    ``recompute`` and ``zero_stage``, where published, restrict the modes and stages
-    tried unless ``options`` name them. Sequence parallelism, interleaving and the
-    micro-batch stay the planner's to choose (its defaults), as for any layout.
-    The fastest layout that fits is returned; if none fits, the fastest that is only
-    flagged (bubble, TP across nodes), then the fastest that runs out of memory, so
-    the estimate can still be compared. ``None`` only if the run's shape is invalid
-    for the planner.
+
+@dataclass(frozen=True)
+class RunEstimate:
+    """The planner's estimate of a published run, at the run's own TP x PP x DP.
+
+    ``mfu`` (6N) and its range ``[mfu_low, mfu_high]``: the fastest setting of the
+    fields the run does not publish, under the pessimistic, central and optimistic
+    ends of :data:`GEMM_SHARE`, :data:`ELEMENTWISE_TRAFFIC` and :data:`OVERLAP`.
+    ``layout`` is the central estimate (its ``times`` the step's breakdown, in
+    seconds), ``memory_bytes`` its memory per GPU, ``fits`` whether that is within
+    :data:`trainscale.memory.USABLE_MEMORY` of the GPU, ``rank`` the published
+    shape's place among the planner's fitting shapes (1 = the planner's first
+    choice; ``None`` when it is not among them).
+    """
+
+    run: PublishedRun
+    layout: Layout
+    mfu: float
+    mfu_low: float
+    mfu_high: float
+    memory_bytes: float
+    fits: bool
+    rank: int | None
+
+    @property
+    def times(self) -> Mapping[str, float]:
+        """The central estimate's step time, term by term (:data:`TIME_PARTS`), in seconds."""
+        return self.layout.times
+
+
+INTERLEAVING = (1, 2, 3, 4, 6, 8)
+"""Interleaving depths (model chunks per GPU) tried where a run does not publish one."""
+
+
+def _choices(run: PublishedRun) -> dict:
+    """What a run publishes, or every value the planner tries where it does not."""
+    return {
+        "micro_batches": (run.micro_batch,) if run.micro_batch else (1, 2, 4, 8),
+        "zero_stages": (run.zero_stage,) if run.zero_stage is not None else (0, 1, 2, 3),
+        "recompute": (run.recompute,) if run.recompute else RECOMPUTE,
+        "sp": (run.sequence_parallel,) if run.sequence_parallel is not None else (True, False),
+        "v": (run.virtual_stages,) if run.virtual_stages else INTERLEAVING,
+    }
+
+
+def _best(layouts: Iterable[Layout]) -> Layout | None:
+    order = ("fits", "bubble too large", "TP across nodes", "out of memory")
+    usable = [lay for lay in layouts if lay.verdict != "invalid"]
+    return min(usable, key=lambda lay: (order.index(lay.verdict), lay.step_seconds), default=None)
+
+
+def _at_shape(run: PublishedRun, band: str) -> Layout | None:
+    """The fastest setting at the run's shape, searched over what it does not publish."""
+    model, cluster, c = published_model(run), published_cluster(run), _choices(run)
+    cp = run.cp or 1
+    candidates = []
+    for v in c["v"]:
+        if run.pp * v > run.layers + 2:
+            continue
+        for sp in c["sp"]:
+            fp32 = _cites(run, FP32_GRADIENT_SOURCES)
+            opt = _options(sp, v, None, USABLE_MEMORY, 1.0, band, "1f1b", fp32)
+            candidates += [
+                _evaluate(
+                    model, cluster, run.global_batch, run.tp, run.pp, run.dp, z, r, b, opt, cp
+                )
+                for z in c["zero_stages"]
+                for r in c["recompute"]
+                for b in c["micro_batches"]
+            ]
+    return _best(candidates)
+
+
+def _rank(run: PublishedRun, point: Layout) -> int | None:
+    """Place of the run's shape among the planner's fastest fitting shapes (central band)."""
+    c = _choices(run)
+    v = point.virtual_stages
+    layouts = plan(
+        published_model(run),
+        published_cluster(run),
+        run.global_batch,
+        micro_batches=c["micro_batches"],
+        zero_stages=c["zero_stages"],
+        recompute=c["recompute"],
+        sequence_parallel=point.sequence_parallel,
+        virtual_stages=v,
+        efficiency=None,
+        max_bubble=1.0,
+        fp32_gradients=_cites(run, FP32_GRADIENT_SOURCES),
+        context_parallel=(run.cp or 1,),
+    )
+    shapes = [lay.shape for lay in top_layouts(layouts, count=len(layouts))]
+    shape = (run.tp, run.pp, run.dp)
+    return shapes.index(shape) + 1 if shape in shapes else None
+
+
+def estimate_run(run: PublishedRun) -> RunEstimate:
+    """The planner's estimate of a published run, with its range (see :class:`RunEstimate`).
+
+    The run's TP, PP, DP, global batch and GPUs are fixed; each field it leaves
+    ``None`` (micro-batch, ZeRO stage, recomputation, sequence parallelism,
+    interleaving depth) is searched, and the fastest setting taken, once for each
+    band of :data:`GEMM_SHARE`, :data:`ELEMENTWISE_TRAFFIC` and :data:`OVERLAP`.
     """
     run = _published(run)
-    if run.cp not in (None, 1):
-        raise ValueError(f"run {run.name!r} uses context parallelism, which the planner lacks")
-    if run.recompute is not None and "recompute" not in options:
-        options["recompute"] = (run.recompute,)
-    if run.zero_stage is not None and "zero_stages" not in options:
-        options["zero_stages"] = (run.zero_stage,)
-    shape = (run.tp, run.pp, run.dp)
-    order = ("fits", "bubble too large", "TP across nodes", "out of memory")
-    candidates = [
-        lay
-        for lay in plan(published_model(run), published_cluster(run), run.global_batch, **options)
-        if lay.shape == shape and lay.verdict != "invalid"
-    ]
-    candidates.sort(key=lambda lay: (order.index(lay.verdict), lay.step_seconds))
-    return candidates[0] if candidates else None
+    point, low, high = (_at_shape(run, band) for band in ("point", "low", "high"))
+    if point is None or low is None or high is None:
+        raise ValueError(f"run {run.name!r}: its layout is invalid for the planner")
+    memory_ok = point.memory_bytes <= USABLE_MEMORY * published_cluster(run).memory_bytes
+    return RunEstimate(
+        run=run,
+        layout=point,
+        mfu=point.mfu,
+        mfu_low=low.mfu,
+        mfu_high=high.mfu,
+        memory_bytes=point.memory_bytes,
+        fits=memory_ok,
+        rank=_rank(run, point),
+    )
+
+
+if __name__ == "__main__":  # python -m trainscale.planner: the command line
+    from trainscale.planner_cli import main
+
+    raise SystemExit(main())

@@ -27,7 +27,9 @@ MIB = 2**20
 @dataclass(frozen=True)
 class Gpu:
     """One GPU model: dense bf16 peak in FLOP/s, memory in bytes, NVLink bandwidth in
-    bytes per second one way per GPU, and the GPUs an NVLink node joins.
+    bytes per second one way per GPU, the GPUs an NVLink node joins, and the memory
+    (HBM or GDDR) bandwidth in bytes per second, from the same datasheet, and its
+    streaming multiprocessors (SMs), which run a GEMM's tiles in waves.
 
     ``memory_bytes`` is the capacity the device reports (``nvidia-smi``'s total,
     in MiB, times 2**20), not the marketing figure: an "80 GB" H100 reports
@@ -38,6 +40,8 @@ class Gpu:
     memory_bytes: float
     nvlink_bandwidth: float
     gpus_per_node: int
+    memory_bandwidth: float
+    multiprocessors: int
 
 
 GPUS: dict[str, Gpu] = {
@@ -47,7 +51,12 @@ GPUS: dict[str, Gpu] = {
     # (modal-labs/modal-client pull request 2797 lists the totals nvidia-smi prints
     # on its fleet).
     "A100-80GB": Gpu(
-        peak_flops=312e12, memory_bytes=81_920 * MIB, nvlink_bandwidth=300e9, gpus_per_node=8
+        peak_flops=312e12,
+        memory_bytes=81_920 * MIB,
+        nvlink_bandwidth=300e9,
+        gpus_per_node=8,
+        memory_bandwidth=2.039e12,  # 2,039 GB/s HBM2e (SXM)
+        multiprocessors=108,  # 108 SMs (A100 whitepaper)
     ),
     # NVIDIA H100 Tensor Core GPU datasheet (SXM): 989 TFLOP/s dense BF16 (1,979 with
     # sparsity); NVLink 4, 900 GB/s both directions together, so 450e9 B/s each way;
@@ -55,14 +64,24 @@ GPUS: dict[str, Gpu] = {
     # 80GB HBM3" (NVIDIA/nccl issue 1264, driver 550.54.15; the same total in
     # modal-labs/modal-client pull request 2797).
     "H100-80GB": Gpu(
-        peak_flops=989e12, memory_bytes=81_559 * MIB, nvlink_bandwidth=450e9, gpus_per_node=8
+        peak_flops=989e12,
+        memory_bytes=81_559 * MIB,
+        nvlink_bandwidth=450e9,
+        gpus_per_node=8,
+        memory_bandwidth=3.35e12,  # 3.35 TB/s HBM3 (SXM)
+        multiprocessors=132,  # 132 SMs (H100 SXM5)
     ),
     # NVIDIA H200 Tensor Core GPU datasheet (SXM): 141 GB of HBM3e, the H100's
     # 989 TFLOP/s dense BF16 and NVLink 4 (450e9 B/s each way); 8 per HGX H200 node.
     # Memory: nvidia-smi reports 143,771 MiB for "NVIDIA H200" (several public nvidia-smi
     # printouts with drivers 550-580 agree on this total).
     "H200": Gpu(
-        peak_flops=989e12, memory_bytes=143_771 * MIB, nvlink_bandwidth=450e9, gpus_per_node=8
+        peak_flops=989e12,
+        memory_bytes=143_771 * MIB,
+        nvlink_bandwidth=450e9,
+        gpus_per_node=8,
+        memory_bandwidth=4.8e12,  # 4.8 TB/s HBM3e
+        multiprocessors=132,  # 132 SMs, the H100's die
     ),
     # NVIDIA HGX B200 datasheet: 2.25 PFLOP/s dense BF16 per GPU (4.5 with sparsity);
     # NVLink 5, 1.8 TB/s both directions together, so 900e9 B/s each way; 8 per HGX
@@ -70,7 +89,12 @@ GPUS: dict[str, Gpu] = {
     # reports 183,359 MiB for "NVIDIA B200" (NVIDIA/TensorRT-LLM issue 10278, driver
     # 580.95.05).
     "B200": Gpu(
-        peak_flops=2250e12, memory_bytes=183_359 * MIB, nvlink_bandwidth=900e9, gpus_per_node=8
+        peak_flops=2250e12,
+        memory_bytes=183_359 * MIB,
+        nvlink_bandwidth=900e9,
+        gpus_per_node=8,
+        memory_bandwidth=8e12,  # HGX B200 datasheet: 64 TB/s for 8 GPUs (some list 7.7 TB/s)
+        multiprocessors=148,  # 148 SMs (two dies of 74)
     ),
     # NVIDIA Ada Lovelace architecture whitepaper (GeForce RTX 4090): 165.2 TFLOP/s
     # dense BF16 tensor with FP32 accumulate (330.4 with sparsity); no NVLink: a PCIe
@@ -78,7 +102,12 @@ GPUS: dict[str, Gpu] = {
     # GDDR6X, nvidia-smi reports 24,564 MiB for "NVIDIA GeForce RTX 4090" (RLinf/RLinf
     # issue 255, driver 550.163.01).
     "RTX 4090": Gpu(
-        peak_flops=165.2e12, memory_bytes=24_564 * MIB, nvlink_bandwidth=32e9, gpus_per_node=1
+        peak_flops=165.2e12,
+        memory_bytes=24_564 * MIB,
+        nvlink_bandwidth=32e9,
+        gpus_per_node=1,
+        memory_bandwidth=1.008e12,  # 1,008 GB/s GDDR6X
+        multiprocessors=128,  # 128 SMs (Ada whitepaper)
     ),
 }
 """The GPUs published runs name, by :attr:`PublishedRun.gpu`."""

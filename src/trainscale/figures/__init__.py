@@ -35,7 +35,11 @@ from trainscale.figures.efficiency import (
 from trainscale.figures.experts import all_to_all_matrix, expert_loads
 from trainscale.figures.memory import activations_against_batch, memory_stack
 from trainscale.figures.pipeline import bubble_curves, pipeline_timelines, schedule_comparison
-from trainscale.figures.planner import planner_rejections, planner_top_layouts
+from trainscale.figures.planner import (
+    planner_calibration,
+    planner_rejections,
+    planner_top_layouts,
+)
 from trainscale.figures.precision import (
     accumulation,
     format_ranges,
@@ -98,6 +102,7 @@ __all__ = [
     "new_figure",
     "noise_scale_growth",
     "pipeline_timelines",
+    "planner_calibration",
     "planner_rejections",
     "planner_top_layouts",
     "recompute_slowdown",

@@ -42,6 +42,20 @@ def _capacity_lines(ax, capacity_gib: float, usable_share: float, y: float) -> N
     )
 
 
+ONLY_WHEN_USED = ("context-parallel traffic", "expert-parallel traffic")
+"""Step-time parts drawn (and in the legend) only when some layout spends time on them:
+layouts without context or expert parallelism show the six parts they always had."""
+
+
+def _time_parts_shown(rows: Sequence[Layout]) -> set[str]:
+    return {
+        part
+        for lay in rows
+        for part, seconds in lay.times.items()
+        if part not in ONLY_WHEN_USED or seconds > 0
+    }
+
+
 def planner_top_layouts(
     layouts: Sequence[Layout],
     capacity_bytes: float,
@@ -63,9 +77,12 @@ def planner_top_layouts(
         fig = BookFigure(figsize=(7.6, 1.6 + 0.62 * len(rows)), layout="constrained")
         time_ax, memory_ax = fig.subplots(1, 2, sharey=True, width_ratios=(1.25, 1))
         labels = [f"{lay.name}\n{lay.settings}" for lay in rows]
+        used = _time_parts_shown(rows)
         for row, lay in enumerate(rows):
             left = 0.0
             for part, width in lay.times.items():  # in the planner's TIME_PARTS order
+                if part not in used:
+                    continue
                 time_ax.barh(
                     row,
                     width,
@@ -159,4 +176,60 @@ def planner_rejections(
         fig.legend(loc="outside lower center", ncol=4, fontsize=9)
         invalid = counts["invalid"]
         ax.set_title(title or f"{len(layouts)} layouts tried, {invalid} invalid and not drawn")
+    return fig
+
+
+def planner_calibration(
+    published: Sequence[float],
+    estimates: Sequence[tuple[float, float, float]],
+    groups: Sequence[str],
+    title: str | None = None,
+) -> Figure:
+    """Predicted MFU range against published MFU, one vertical bar per run, on ``y = x``.
+
+    ``published[i]`` is run ``i``'s published MFU; ``estimates[i]`` its ``(low, point,
+    high)`` estimate (all shares of peak); ``groups[i]`` names its source, one colour
+    per distinct source. A bar that crosses the line holds the published value.
+    """
+    if not (len(published) == len(estimates) == len(groups)) or not published:
+        raise ValueError("published, estimates and groups must be non-empty and of one length")
+    colours = list(PALETTE.values())
+    names = list(dict.fromkeys(groups))
+    with plt.rc_context({**STYLE, "axes.grid.axis": "both"}):
+        fig = BookFigure(figsize=(7.0, 4.6), layout="constrained")
+        ax = fig.add_subplot()
+        top = max(max(published), *(high for _, _, high in estimates)) * 108
+        ax.plot([0, top], [0, top], color=PALETTE["grey"], linewidth=1, label="y = x")
+        for k, name in enumerate(names):
+            rows = [i for i, g in enumerate(groups) if g == name]
+            xs = [published[i] * 100 for i in rows]
+            ax.vlines(
+                xs,
+                [estimates[i][0] * 100 for i in rows],
+                [estimates[i][2] * 100 for i in rows],
+                color=colours[k % len(colours)],
+                linewidth=2,
+            )
+            ax.plot(
+                xs,
+                [estimates[i][1] * 100 for i in rows],
+                "o",
+                color=colours[k % len(colours)],
+                markersize=4,
+                label=name,
+            )
+        ax.set_xlim(0, top)
+        ax.set_ylim(0, top)
+        ax.set_xlabel("published MFU, 6N convention (%)")
+        ax.set_ylabel("planner's estimate (%): dot and range")
+        ax.set_title(title or "The planner against published runs")
+        ax.legend(fontsize=7, loc="upper left")
+        fig.text(
+            0.01,
+            0.0,
+            "Sources: Narayanan et al. 2021; Korthikanti et al. 2022; BigScience 2022; "
+            "Llama 3 2024.",
+            fontsize=7,
+            color=PALETTE["grey"],
+        )
     return fig

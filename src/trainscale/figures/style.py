@@ -131,6 +131,8 @@ TIME_COLOURS = {
     "compute": PALETTE["blue"],
     "recomputation": PALETTE["sky"],
     "tensor-parallel traffic": PALETTE["orange"],
+    "context-parallel traffic": PALETTE["red"],
+    "expert-parallel traffic": PALETTE["purple"],
     "pipeline sends": PALETTE["yellow"],
     "data-parallel traffic": PALETTE["green"],
     "pipeline bubble": PALETTE["grey"],
