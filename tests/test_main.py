@@ -135,6 +135,15 @@ def test_help_says_planned_exactly_for_command_lines_that_do_not_exist_yet(modul
     assert ("(planned" in entry.group(1)) == (not has_main)
 
 
+def test_the_planners_example_in_help_is_a_command_it_takes() -> None:
+    from trainscale import planner_cli
+
+    entry = re.search(r"python -m trainscale\.planner (.*)\n", summary.COMMANDS)
+    assert entry, "--help shows no example of the planner's command line"
+    argv = entry.group(1).replace("[", "").replace("]", "").split()
+    assert planner_cli.parse(argv).laptop == 8
+
+
 def test_version_flag(capsys: pytest.CaptureFixture[str]) -> None:
     status, text, _ = exit_output(["--version"], capsys)
     assert (status, text.strip()) == (0, f"trainscale {summary.__version__}")

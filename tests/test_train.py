@@ -1,8 +1,12 @@
-"""The capstone training script: deterministic data, checkpoints, and a crash that changes nothing.
+"""The capstone training script: deterministic data, any layout, checkpoints that reshard.
 
-The last tests start the real script under ``torchrun`` (two gloo processes),
-once straight through and once with a rank killed mid-run and restarted by
-torchrun, and require the two runs to end with bitwise equal weights.
+Chapter 16 runs the planner's TP 2 x PP 2 x DP 2 against one process (and the
+same command under torchrun), restarts it as DP 4 on 4 ranks, and crashes and
+restarts an FSDP run with bitwise equal final weights; nbval re-runs and checks
+those. The slow tests here run the other layouts (TP x DP, PP x DP, pure FSDP,
+HSDP with TP, CP x TP x PP) against one process, a restart from TP x DP onto an
+interleaved pipeline, and a bad layout refused by every rank before any
+collective.
 """
 
 import shutil
@@ -15,6 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from trainscale import schedule, train
+from trainscale.distributed import RankError, run_ranks
 from trainscale.transformer import GPTConfig, gpt
 
 # --------------------------------------------------------------------------- the data
@@ -118,10 +123,17 @@ def test_bad_slices_are_named():
 
 
 def test_the_model_is_the_books_decoder_with_fused_attention_and_an_untied_head():
-    # The model itself (parameter counts, causality, recomputation) is tested in
-    # test_transformer.py; here, that the flags describe it.
+    # The model itself (parameter counts, causality, recomputation, the qkv layout)
+    # is tested in test_transformer.py; here, that the flags describe it.
     assert train.model_config(train.parse_args([])) == GPTConfig(
-        vocab=64, context=32, d_model=64, layers=2, heads=4, tied=False, attention="sdpa"
+        vocab=64,
+        context=32,
+        d_model=64,
+        layers=2,
+        heads=4,
+        tied=False,
+        attention="sdpa",
+        qkv_layout="by_head",
     )
     flags = ["--width", "48", "--heads", "3", "--seq-len", "8", "--checkpoint-activations"]
     config = train.model_config(train.parse_args(flags))
@@ -129,18 +141,64 @@ def test_the_model_is_the_books_decoder_with_fused_attention_and_an_untied_head(
     assert config.recompute == "full"
 
 
-def _parameter_names() -> list[str]:
-    """The names of the default model's parameters, as a full checkpoint lists them."""
-    return [name for name, _ in gpt(train.model_config(train.parse_args([]))).named_parameters()]
+def _parameter_names(*flags: str) -> list[str]:
+    """The names of the model's parameters, as a full checkpoint lists them."""
+    config = train.model_config(train.parse_args(list(flags)))
+    return [name for name, _ in gpt(config).named_parameters()]
+
+
+# --------------------------------------------------------------------------- splitting
+
+
+def test_stages_take_equal_runs_of_blocks_in_the_looped_order():
+    # 8 blocks, 2 pipeline ranks x 2 chunks = 4 stages of 2 blocks; rank 1 runs
+    # stages 1 and 3 (the interleaved schedule's loop), i.e. blocks 2-3 and 6-7.
+    assert train.stage_ids(1, pp=2, virtual_stages=2) == [1, 3]
+    assert train.stage_ids(0, pp=4, virtual_stages=1) == [0]
+    assert [list(train.stage_layers(s, 4, 8)) for s in (1, 3)] == [[2, 3], [6, 7]]
+
+
+def test_stages_keep_the_unsplit_names_and_compute_the_same():
+    config = train.model_config(train.parse_args(["--layers", "4", "--seq-len", "8"]))
+    model = gpt(config, seed=1)
+    stages = train.split_model(model, [0, 1, 2, 3], 4)
+    names = [name for stage in stages for name, _ in stage.named_parameters()]
+    assert names == [name for name, _ in model.named_parameters()]
+    assert "blocks.3.attention.qkv.weight" in names  # not blocks.0 of the last stage
+    assert stages[0].head is None and stages[3].token_embedding is None
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    x = tokens
+    for stage in stages:
+        x = stage(x)
+    assert torch.equal(x, model(tokens))
+
+
+def test_a_layout_reads_and_completes_the_flags():
+    config = train.parse_args(["--tp", "2", "--pp", "2", "--dp-shard", "2", "--grad-accum", "4"])
+    layout = config.layout(8)
+    assert layout.sizes == (2, 1, 2, 1, 2)  # pp, dp_replicate, dp_shard, cp, tp
+    assert (layout.dp, layout.world) == (2, 8)
+    assert layout.describe() == "TP 2 x PP 2 x DP 2 (replicate 1 x shard 2)"
+    # 2 data-parallel ranks x 4 micro-batches x 8 sequences x 32 tokens
+    assert train.tokens_per_step(config, layout) == 2 * 4 * 8 * 32 == 2048
+    assert train.parse_args([]).layout(4).sizes == (1, 4, 1, 1, 1)  # ddp, as before
+    assert train.parse_args(["--parallel", "fsdp"]).layout(4).sizes == (1, 1, 4, 1, 1)
+    assert train.parse_args(["--dp-replicate", "2"]).layout(2).dp == 2
 
 
 # --------------------------------------------------------------------------- arguments, folders
 
 
 def test_the_defaults_are_valid():
-    args = train.parse_args([])
-    assert (args.parallel, args.steps, args.micro_batch, args.grad_accum) == ("ddp", 100, 8, 1)
-    assert train.tokens_per_step(args, world_size=2) == 2 * 1 * 8 * 32 == 512
+    config = train.parse_args([])
+    assert isinstance(config, train.TrainConfig)
+    assert (config.parallel, config.steps, config.micro_batch, config.grad_accum) == (
+        None,
+        100,
+        8,
+        1,
+    )
+    assert train.tokens_per_step(config, config.layout(2)) == 2 * 1 * 8 * 32 == 512
 
 
 @pytest.mark.parametrize(
@@ -161,11 +219,44 @@ def test_the_defaults_are_valid():
         (["--peak-flops", "0"], "--peak-flops"),
         (["--ckpt-every", "0"], "--ckpt-every"),
         (["--fail-at-step", "-2"], "--fail-at-step"),
+        (["--tp", "0"], "--tp"),
+        (["--parallel", "fsdp", "--tp", "2"], "--parallel"),
+        (["--tp", "3"], "--heads"),
+        (["--tp", "4", "--seq-len", "30"], "--seq-len"),
+        (["--pp", "2", "--layers", "3", "--grad-accum", "2"], "--layers"),
+        (["--pp", "2", "--grad-accum", "1"], "--grad-accum"),
+        (["--pp-schedule", "gpipe"], "--pp-schedule"),
+        (["--pp-schedule", "interleaved"], "--virtual-stages"),
+        (["--pp-schedule", "interleaved", "--virtual-stages", "2"], "--pp"),
+        (["--virtual-stages", "2"], "--virtual-stages"),
+        (
+            [
+                "--pp",
+                "2",
+                "--pp-schedule",
+                "interleaved",
+                "--virtual-stages",
+                "2",
+                "--layers",
+                "4",
+                "--grad-accum",
+                "3",
+            ],
+            "--grad-accum",
+        ),
+        (["--cp", "0"], "--cp"),
+        (["--cp", "4", "--tp", "2", "--seq-len", "36"], "--seq-len"),
     ],
 )
 def test_bad_flags_are_named(argv, flag):
     with pytest.raises(ValueError, match=f"^{flag} must"):
         train.parse_args(argv)
+
+
+def test_a_layout_that_does_not_fill_the_ranks_is_refused():
+    config = train.parse_args(["--tp", "2", "--pp", "2", "--dp-shard", "3", "--grad-accum", "2"])
+    with pytest.raises(ValueError, match=r"^the layout's sizes must multiply to .* 8: .* = 12"):
+        config.layout(8)
 
 
 def test_only_complete_checkpoints_count(tmp_path):
@@ -210,6 +301,10 @@ def _train(tmp_path: Path, name: str, *flags: str) -> dict:
     return train.train(train.parse_args(argv), 0, 1, torch.device("cpu"))
 
 
+def _without_history(summary: dict) -> dict:
+    return {key: value for key, value in summary.items() if key != "history"}
+
+
 IN_PROCESS = {
     "ddp": ["--parallel", "ddp", "--grad-accum", "2", "--clip", "0"],
     "fsdp": ["--parallel", "fsdp", "--bf16", "--checkpoint-activations"],
@@ -226,7 +321,10 @@ def test_a_resumed_run_ends_where_an_uninterrupted_one_does(tmp_path, one_rank, 
     shutil.copytree(tmp_path / "a" / "step_00000003", tmp_path / "b" / "step_00000003")
     (tmp_path / "b" / "step_00000006.partial").mkdir()
     resumed = _train(tmp_path, "b", *IN_PROCESS[parallel])
-    assert resumed == {**straight, "resumed_from": 3}  # the same final loss, norm and lr
+    # the same final loss, norm and lr, and the same steps 4-6, bit for bit
+    assert _without_history(resumed) == {**_without_history(straight), "resumed_from": 3}
+    assert list(straight["history"]) == [1, 2, 3, 4, 5, 6]
+    assert resumed["history"] == {s: straight["history"][s] for s in (4, 5, 6)}
     a, b = torch.load(tmp_path / "a.pt"), torch.load(tmp_path / "b.pt")
     assert list(a) == list(b) == _parameter_names()
     assert all(torch.equal(a[name], b[name]) for name in a)
@@ -244,7 +342,68 @@ def test_a_checkpoint_of_another_run_is_refused(tmp_path, one_rank):
 
 
 # --------------------------------------------------------------------------- real runs
-# The crash-and-restart run under torchrun (two ranks, rank 1 killed mid-run, elastic
-# restart from the last checkpoint, bitwise-equal final weights) is chapter 13's "check
-# it for real" cell, which nbval re-runs and compares line by line; it is not run again
-# here. The tests above cover the same checkpoint round trip in one process, bf16 included.
+# Chapter 16 shows TP 2 x PP 2 x DP 2 against one process, its restart as DP 4 on
+# 4 ranks, and a crash and restart (bitwise equal final weights); nbval re-runs
+# those. These runs check the other layouts.
+
+SMALL = [
+    *("--steps", "4", "--warmup", "1", "--micro-batch", "2", "--log-every", "4"),
+    *("--layers", "4", "--seq-len", "16"),
+]
+"""A 4-block model, 16 sequences of 16 tokens per step, 4 steps."""
+
+LOSS_TOLERANCE = train.LOSS_RTOL
+NORM_TOLERANCE = train.GRAD_NORM_RTOL
+
+
+@pytest.fixture(scope="module")
+def one_process() -> dict:
+    """The reference: one process, the 16 sequences of a step in 8 micro-batches of 2."""
+    (summary,) = run_ranks(train.worker, 1, [*SMALL, "--grad-accum", "8"], timeout=120)
+    return summary["history"]
+
+
+@pytest.mark.slow  # 8 forked gloo ranks, ~5 s each on 2 idle cores
+@pytest.mark.parametrize(
+    "layout",
+    [
+        "--tp 2 --dp-shard 4 --grad-accum 2",  # 2 x 1 x 4
+        "--pp 2 --dp-shard 4 --grad-accum 2",  # 1 x 2 x 4, 1F1B
+        "--dp-shard 8 --grad-accum 1",  # 1 x 1 x 8 (FSDP)
+        "--tp 2 --dp-replicate 2 --dp-shard 2 --grad-accum 2",  # HSDP with TP
+        "--cp 2 --tp 2 --pp 2 --grad-accum 8",  # four dimensions: ring attention too
+    ],
+)
+def test_a_layout_trains_like_one_process(one_process, layout):
+    summary = run_ranks(train.worker, 8, [*SMALL, *layout.split()], timeout=180)[0]
+    history = summary["history"]
+    assert list(history) == list(one_process) == [1, 2, 3, 4]
+    for step, (loss, norm) in history.items():
+        assert loss == pytest.approx(one_process[step][0], rel=LOSS_TOLERANCE)
+        assert norm == pytest.approx(one_process[step][1], rel=NORM_TOLERANCE)
+
+
+@pytest.mark.slow  # 4 + 4 forked gloo ranks
+def test_a_checkpoint_reshards_onto_an_interleaved_pipeline(tmp_path, one_process):
+    # Saved after step 2 by TP 2 x DP 2, resumed by PP 2 (2 chunks each) x DP 2.
+    save = [*SMALL, "--ckpt-every", "2", "--ckpt-dir", str(tmp_path / "a")]
+    run_ranks(train.worker, 4, [*save, "--tp", "2", "--dp-shard", "2", "--grad-accum", "4"])
+    shutil.copytree(tmp_path / "a" / "step_00000002", tmp_path / "b" / "step_00000002")
+    interleaved = ["--pp", "2", "--pp-schedule", "interleaved", "--virtual-stages", "2"]
+    grads = ["--grad-accum", "4"]
+    resumed = run_ranks(
+        train.worker,
+        4,
+        [*SMALL, "--ckpt-dir", str(tmp_path / "b"), *interleaved, *("--dp-shard", "2"), *grads],
+        timeout=180,
+    )[0]
+    assert resumed["resumed_from"] == 2 and list(resumed["history"]) == [3, 4]
+    for step, (loss, norm) in resumed["history"].items():
+        assert loss == pytest.approx(one_process[step][0], rel=LOSS_TOLERANCE)
+        assert norm == pytest.approx(one_process[step][1], rel=NORM_TOLERANCE)
+
+
+@pytest.mark.slow  # 4 forked ranks that stop at once
+def test_every_rank_refuses_a_bad_layout_before_any_collective():
+    with pytest.raises(RankError, match=r"ValueError: the layout's sizes must multiply to"):
+        run_ranks(train.worker, 4, ["--tp", "2", "--pp", "1", "--dp-shard", "3"], timeout=60)

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch.utils.flop_counter import FlopCounterMode
 
-from trainscale import memory
+from trainscale import memory, transformer
 from trainscale.compute import attention_training_flops, training_budget, training_flops
 from trainscale.transformer import (
     GPT,
@@ -379,3 +379,60 @@ def test_qk_norm_bounds_the_attention_scores():
 def test_qk_norm_must_be_a_boolean():
     with pytest.raises(ValueError, match="qk_norm"):
         GPTConfig(qk_norm=1)
+
+
+def test_the_head_by_head_order_by_hand():
+    # width 4, 2 heads of 2: blocked rows are q0 q0 q1 q1 | k0 k0 k1 k1 | v0 v0 v1 v1
+    # (0-3, 4-7, 8-11); head by head: q0 q0 k0 k0 v0 v0 | q1 q1 k1 k1 v1 v1.
+    order = transformer.qkv_by_head_order(4, 2)
+    assert order.tolist() == [0, 1, 4, 5, 8, 9, 2, 3, 6, 7, 10, 11]
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_both_qkv_layouts_compute_the_same_function(qk_norm):
+    shape = {"vocab": 16, "context": 8, "d_model": 12, "layers": 2, "heads": 3}
+    blocked = gpt(GPTConfig(**shape, qk_norm=qk_norm), seed=5)
+    by_head = gpt(GPTConfig(**shape, qk_norm=qk_norm, qkv_layout="by_head"), seed=5)
+    order = transformer.qkv_by_head_order(12, 3)
+    stored = by_head.blocks[1].attention.qkv.weight
+    assert torch.equal(stored, blocked.blocks[1].attention.qkv.weight[order])
+    tokens = torch.randint(0, 16, (2, 8), generator=torch.Generator().manual_seed(0))
+    # the same products of the same numbers, in other rows: equal to the last bit here,
+    # and within float32 rounding on any CPU
+    torch.testing.assert_close(by_head(tokens), blocked(tokens), rtol=1e-6, atol=1e-7)
+
+
+def test_one_share_of_a_head_by_head_qkv_computes_whole_heads():
+    # The rows of heads 1-2 of 4 (as a tensor-parallel rank holds them) give exactly
+    # heads 1-2 of the whole attention: the number of heads is read from the width.
+    config = GPTConfig(vocab=16, context=8, d_model=16, layers=1, heads=4, qkv_layout="by_head")
+    attention = gpt(config, seed=2).blocks[0].attention
+    x = torch.randn(2, 8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    attention = attention.double()
+    whole = attention.qkv(x).view(2, 8, 4, 3, 4)  # (batch, seq, head, q/k/v, feature)
+    rows = slice(1 * 12, 3 * 12)  # heads 1 and 2: 3 x 4 rows each
+    part = torch.nn.functional.linear(x, attention.qkv.weight[rows], attention.qkv.bias[rows])
+    assert torch.equal(part.view(2, 8, 2, 3, 4), whole[:, :, 1:3])
+
+
+def test_the_qkv_layout_is_checked():
+    with pytest.raises(ValueError, match=r"^qkv_layout must"):
+        GPTConfig(qkv_layout="interleaved")
+
+
+def test_an_attention_function_set_on_a_block_replaces_attend():
+    # Chapter 16 sets ring attention here; any function of (q, k, v) is called instead.
+    config = GPTConfig(vocab=16, context=8, d_model=12, layers=2, heads=3, attention="sdpa")
+    model = gpt(config, seed=3)
+    tokens = torch.randint(0, 16, (2, 8), generator=torch.Generator().manual_seed(0))
+    before = model(tokens)
+    calls = []
+
+    def naive(q, k, v):
+        calls.append(q.shape)
+        return attend(q, k, v, kind="naive")
+
+    for block in model.blocks:
+        block.attention.attend_fn = naive
+    torch.testing.assert_close(model(tokens), before, rtol=1e-5, atol=1e-6)
+    assert calls == [(2, 3, 8, 4)] * 2  # once per block: (batch, heads, seq, head width)

@@ -32,13 +32,13 @@ COMMANDS = """\
 command lines of the package:
   python -m trainscale
       these headline numbers
-  python -m trainscale.planner
-      the layout planner of chapter 13 on the command line (planned; today call
-      trainscale.planner.plan from Python, as chapter 13 does)
+  python -m trainscale.planner --model 70b [--laptop 8]
+      the layout planner of chapter 13: the best layouts of a model on a cluster,
+      and the torchrun command that trains the best (--help for models and clusters)
   python -m trainscale.efficiency [--device cuda --dtype bfloat16]
       measure a device's peak matmul rate and the MFU of a training loop (chapter 12)
   torchrun --nproc-per-node=2 -m trainscale.train --parallel fsdp --ckpt-dir /tmp/tinygpt
-      the capstone: a small GPT trained restartably with DDP or FSDP (chapter 13);
+      the capstone: a small GPT on any TP x PP x DP layout, restartably (chapter 16);
       `python -m trainscale.train --help` lists its flags
   torchrun --nproc-per-node=4 -m trainscale.workers.NAME
       a chapter's real multi-process check, NAME one of data_parallel (03),
@@ -163,7 +163,7 @@ def planner_lines() -> list[str]:
     layouts = planner.plan(model, cluster, batch)
     fitting = planner.verdict_counts(layouts)["fits"]
     lines = [
-        "13 Planning and running a first large run",
+        "13 Planning a large run",
         f"  {model.params / 1e9:g}B parameters on {cluster.nodes} nodes x"
         f" {cluster.gpus_per_node} GPUs of {_gib(cluster.memory_bytes)}, global batch"
         f" {batch:,} sequences ({batch * model.seq_len:,} tokens): {len(layouts):,} layouts,"

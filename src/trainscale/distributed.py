@@ -18,9 +18,14 @@ Safety, because this runs on the reader's machine:
   seconds with an error naming the rank, and every process is reaped: none is
   left behind, even if the parent dies (each rank watches its parent).
 
-Under ``torchrun`` (:func:`run_torchrun` starts such a job from a notebook), the
-one way in is :func:`torchrun_main`: it joins the job with :func:`join_job`,
-which keeps to the same loopback rules, and runs a worker as one rank.
+Under ``torchrun`` (:func:`run_torchrun` starts such a job from a notebook, and
+:func:`run_nodes` one of several "nodes" on this machine, losing and replacing
+one if asked), the one way in is :func:`torchrun_main`: it joins the job with
+:func:`join_job`, which keeps to the same loopback rules, and runs a worker as
+one rank. The agents keep to them too: the rendezvous store they meet in is
+created here, on 127.0.0.1 (torchrun's agent would host it on every interface),
+and they are told to host no store of their own (:data:`RENDEZVOUS_CONF`,
+:data:`JOB_ENVIRONMENT`).
 
 Workers must live in an importable module: ranks are forked from a fork server
 (a fresh interpreter that has imported torch and done nothing else, since forking
@@ -35,6 +40,7 @@ import datetime
 import multiprocessing as mp
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
@@ -43,6 +49,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -189,8 +196,15 @@ def _stop(processes: list) -> None:
             process.join()
 
 
-PRELOADED = ("torch", "torch.distributed")
-"""What the fork server imports once, so that each rank starts in milliseconds."""
+PRELOADED = (
+    "torch",
+    "torch.distributed",
+    "torch.distributed.checkpoint",  # with DTensor and FSDP2: ~1 CPU-s per rank otherwise
+    "torch.distributed.pipelining",  # ~0.8 CPU-s per rank otherwise
+    "torch.distributed.tensor.parallel",
+)
+"""What the fork server imports once, so that each rank starts in milliseconds
+(the capstone's ranks need all of them; importing does no maths and starts no threads)."""
 
 
 def _rank_context() -> mp.context.BaseContext:
@@ -294,8 +308,8 @@ def join_job() -> tuple[int, int]:
     127.0.0.1 (a ``TCPStore`` given an address still listens on every interface)
     and gloo is kept on the loopback interface (``GLOO_SOCKET_IFNAME=lo``); on a
     cluster this is the standard ``env://`` rendezvous. (``torchrun``'s own
-    rendezvous store, in the launcher, listens on every interface; that part is
-    beyond a worker's reach.)
+    rendezvous store is beyond a worker's reach: :func:`run_nodes` hosts it on
+    127.0.0.1 for the agents.)
     """
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     backend, dev = backend_and_device(int(os.environ.get("LOCAL_RANK", rank)))
@@ -343,69 +357,240 @@ def torchrun_main(worker: Callable[..., Any], *args: Any) -> Any:
         dist.destroy_process_group()
 
 
+RENDEZVOUS_CONF = "is_host=false,keep_alive_interval=1,keep_alive_max_attempt=5"
+"""``--rdzv-conf`` of every agent :func:`run_nodes` starts. ``is_host=false``: no agent
+hosts the rendezvous store, each only connects to it (the launcher hosts it, on
+127.0.0.1; torch's ``c10d_rendezvous_backend._create_tcp_store`` would otherwise
+let the agent whose endpoint matches this machine host it, and a ``TCPStore``
+listens on every interface). A heartbeat a second, and a node silent for 5 s
+counts as dead, so the survivors of a lost node regroup within seconds (torch's
+defaults: every 5 s, dead after 15 s)."""
+
+
+@dataclass(frozen=True)
+class TorchrunJob:
+    """What :func:`run_nodes` saw of one ``torchrun`` job."""
+
+    output: str
+    """Everything the agents and ranks printed, in the order they printed it."""
+    listeners: tuple[tuple[str, int], ...]
+    """``(address, port)`` of every socket that any process of the job (the launcher's
+    rendezvous store, every agent, every rank) was seen listening on while it ran."""
+    processes: int
+    """Processes of the job that were watched: agents and ranks, replacements included."""
+    replaced_nodes: int
+    """Nodes that failed on purpose (``fail_node_after``) and were started again."""
+    rendezvous_port: int
+    """The port of the rendezvous store this process hosted for the agents."""
+
+
+def torchrun_command(
+    module: str, args: list[str], nnodes: int, nproc_per_node: int, max_restarts: int, port: int
+) -> list[str]:
+    """One node's ``torchrun`` command for a job whose rendezvous store listens on
+    ``127.0.0.1:port``: the agent only connects to that store (:data:`RENDEZVOUS_CONF`)
+    and tells its ranks that it lives at 127.0.0.1 (``--local-addr``)."""
+    return [
+        sys.executable,
+        *("-m", "torch.distributed.run"),
+        *(f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}"),
+        *("--rdzv-backend=c10d", f"--rdzv-endpoint={LOOPBACK}:{port}"),
+        *(f"--rdzv-conf={RENDEZVOUS_CONF}", f"--local-addr={LOOPBACK}"),
+        *(f"--max-restarts={max_restarts}", "--monitor-interval=0.2", "-m", module, *args),
+    ]
+
+
+JOB_ENVIRONMENT = {
+    "GLOO_SOCKET_IFNAME": "lo",
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+    "OMP_NUM_THREADS": "1",
+}
+"""What every process of a :func:`run_nodes` job is told besides the launcher's own
+environment. ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: the agent of node 0 does not
+host a second store for the ranks (torch 2.13's ``DynamicRendezvousHandler`` would,
+listening on every interface, and stale addresses in it break gloo restarts); it
+names a free port on ``--local-addr`` instead, where rank 0 hosts the ranks' store
+on 127.0.0.1 (:func:`join_job`). gloo stays on the loopback interface."""
+
+
+class _Nodes:
+    """The agents of one job on this machine, the ranks they started, and every
+    address any of them (or the launcher's store) listened on."""
+
+    def __init__(self, command: list[str], log: Any, store_port: int) -> None:
+        self.command, self.log, self.store_port = command, log, store_port
+        self.agents: list[Any] = []  # psutil.Popen, one per node started
+        self.ranks: dict[int, dict[int, Any]] = {}  # agent pid -> {rank pid: psutil.Process}
+        self.failed_on_purpose: set[int] = set()
+        self.listeners: set[tuple[str, int]] = set()
+
+    def start_node(self) -> None:
+        """Start one more node: an agent in a session of its own."""
+        import psutil
+
+        environment = {**os.environ, **JOB_ENVIRONMENT}
+        agent = psutil.Popen(
+            self.command,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=environment,
+            start_new_session=True,
+        )
+        self.agents.append(agent)
+        self.ranks[agent.pid] = {}
+
+    def running(self) -> bool:
+        """Whether any agent is still running."""
+        return any(agent.poll() is None for agent in self.agents)
+
+    def look(self) -> None:
+        """Note every agent's ranks, and what every process of the job listens on."""
+        import psutil
+
+        for agent in self.agents:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                self.ranks[agent.pid].update((p.pid, p) for p in agent.children(recursive=True))
+        watched = [*self.agents, *(p for ranks in self.ranks.values() for p in ranks.values())]
+        for process in watched:
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.ZombieProcess):
+                if process.is_running():  # the same process, not a reused pid
+                    self.listeners.update(_listening(process))
+        own = _listening(psutil.Process())
+        self.listeners.update(a for a in own if a[1] == self.store_port)
+
+    def fail_last_node(self) -> None:
+        """Make the newest node fail as a machine would: SIGKILL to its agent's process
+        group and to each of its ranks, which torchrun starts in sessions of their
+        own (so the agent's group alone would leave them running); wait until all are gone."""
+        import psutil
+
+        agent = self.agents[-1]
+        self.look()
+        doomed = [agent, *self.ranks[agent.pid].values()]
+        for process in doomed:
+            with contextlib.suppress(ProcessLookupError, psutil.NoSuchProcess):
+                if process.is_running():
+                    os.killpg(process.pid, signal.SIGKILL)
+        agent.wait()
+        psutil.wait_procs(doomed[1:], timeout=10)
+        self.failed_on_purpose.add(agent.pid)
+
+    def failures(self) -> list[int]:
+        """Exit codes of the agents that failed on their own."""
+        return [
+            a.returncode
+            for a in self.agents
+            if a.returncode not in (None, 0) and a.pid not in self.failed_on_purpose
+        ]
+
+    def stop(self) -> None:
+        """Kill whatever is left (after a timeout or an interruption) and reap it all:
+        the agents, then their ranks, which live in sessions of their own."""
+        import psutil
+
+        self.look()  # ranks an agent started since the last look
+        _kill([agent for agent in self.agents if agent.poll() is None])
+        everything = [p for ranks in self.ranks.values() for p in ranks.values()]
+        _kill(everything)
+        psutil.wait_procs(everything, timeout=5)
+        for agent in self.agents:
+            agent.wait()
+
+    def processes(self) -> int:
+        return len(self.agents) + sum(len(ranks) for ranks in self.ranks.values())
+
+
+def _listening(process: Any) -> set[tuple[str, int]]:
+    """``(address, port)`` of each TCP socket that ``process`` (a ``psutil.Process``)
+    listens on."""
+    import psutil
+
+    return {
+        (c.laddr.ip, c.laddr.port)
+        for c in process.net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN
+    }
+
+
+def run_nodes(
+    module: str,
+    args: list[str],
+    nnodes: int = 2,
+    nproc_per_node: int = 4,
+    max_restarts: int = 0,
+    timeout: float = 300.0,
+    fail_node_after: str | None = None,
+) -> TorchrunJob:
+    """Run ``torchrun -m module args`` as ``nnodes`` nodes on this machine; return what it did.
+
+    Each node is one ``torchrun`` agent (:func:`torchrun_command`) with
+    ``nproc_per_node`` ranks; they meet through c10d rendezvous in a store that
+    this process hosts on a socket bound to 127.0.0.1, and nothing of the job
+    listens anywhere else (:data:`RENDEZVOUS_CONF`, :data:`JOB_ENVIRONMENT`):
+    every process's listening sockets are recorded while it runs
+    (:attr:`TorchrunJob.listeners`).
+
+    ``fail_node_after``: once this text appears in the job's output, the newest
+    node fails as a machine would (every process of it SIGKILLed) and a new one
+    is started in its place, as a cluster scheduler would; the surviving agents
+    see their ranks' collectives fail, restart them (one of their
+    ``max_restarts``), and all nodes meet again in the next rendezvous round.
+    Why a replacement, not the survivors carrying on: with ``--nnodes=2``
+    (minimum = maximum = 2) their next round waits (up to ``join_timeout``,
+    600 s) for a second node; elastic ``--nnodes=1:2`` would let one node go on
+    alone once the lost one's heartbeat expired and ``last_call_timeout`` (30 s)
+    passed, on half the ranks: another layout, to which the checkpoint must be
+    resharded.
+
+    Raises :class:`RankError` with the output if an agent fails or the job
+    outlasts ``timeout`` seconds; no process is left behind either way.
+    """
+    nodes_wanted = _checks.count("nnodes", nnodes, minimum=1)
+    per_node = _checks.count("nproc_per_node", nproc_per_node, minimum=1)
+    restarts = _checks.count("max_restarts", max_restarts)
+    limit = _checks.positive("timeout", timeout)
+    store, port = _loopback_store(nodes_wanted, limit)
+    command = torchrun_command(module, args, nodes_wanted, per_node, restarts, port)
+    started, replaced = time.monotonic(), 0
+    with tempfile.TemporaryDirectory(prefix="trainscale-torchrun-") as tmp:
+        path = Path(tmp) / "output.log"
+        with path.open("w") as log:
+            nodes = _Nodes(command, log, port)
+            try:
+                for _ in range(nodes_wanted):
+                    nodes.start_node()
+                while nodes.running() and time.monotonic() - started <= limit:
+                    nodes.look()
+                    if fail_node_after and not replaced and fail_node_after in path.read_text():
+                        nodes.fail_last_node()
+                        nodes.start_node()
+                        replaced += 1
+                    time.sleep(0.1)
+                timed_out = nodes.running()
+            finally:
+                nodes.stop()
+                del store
+        output = path.read_text()
+    if timed_out:
+        raise RankError(f"torchrun -m {module} did not finish within {limit:g} s:\n{output}")
+    if nodes.failures():
+        raise RankError(f"torchrun -m {module} failed (exit codes {nodes.failures()}):\n{output}")
+    listeners = tuple(sorted(nodes.listeners))
+    return TorchrunJob(output, listeners, nodes.processes(), replaced, port)
+
+
 def run_torchrun(
     module: str, args: list[str], nproc: int = 2, max_restarts: int = 0, timeout: float = 300.0
 ) -> str:
-    """Run ``torchrun -m module args`` on this machine and return everything it printed.
+    """Run ``torchrun -m module args`` on one node of ``nproc`` ranks; return everything it printed.
 
-    What a reader would type on one node, with ``nproc`` ranks, on 127.0.0.1:
-    ``torchrun --nproc-per-node=N --max-restarts=R -m module ...``. With
-    ``max_restarts`` > 0 torchrun restarts every rank when one dies (gloo needs
-    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` for that, set here). Raises
-    :class:`RankError` with the output if the job fails or outlasts ``timeout``
-    seconds; no process is left behind either way (torchrun starts its workers
-    in sessions of their own, so they are tracked by pid and killed if needed).
+    What a reader would type on one node, kept on 127.0.0.1 as :func:`run_nodes`
+    keeps every job. With ``max_restarts`` > 0 torchrun restarts every rank when
+    one dies. Raises :class:`RankError` with the output if the job fails or
+    outlasts ``timeout`` seconds; no process is left behind either way.
     """
-    import psutil  # a dependency of Jupyter, so always there with the book
-
-    n = _checks.count("nproc", nproc, minimum=1)
-    restarts = _checks.count("max_restarts", max_restarts)
-    limit = _checks.positive("timeout", timeout)
-    with socket.socket() as probe:
-        probe.bind((LOOPBACK, 0))
-        port = probe.getsockname()[1]
-    command = [
-        sys.executable,
-        *("-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={n}"),
-        *("--rdzv-backend=c10d", f"--rdzv-endpoint={LOOPBACK}:{port}"),
-        *(f"--max-restarts={restarts}", "--monitor-interval=0.2", "-m", module, *args),
-    ]
-    env = {
-        **os.environ,
-        "GLOO_SOCKET_IFNAME": "lo",
-        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-        "OMP_NUM_THREADS": "1",
-    }
-    started = time.monotonic()
-    seen: dict[int, psutil.Process] = {}
-    with tempfile.TemporaryFile("w+") as log:
-        launcher = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-        agent = psutil.Process(launcher.pid)
-        timed_out = False
-        try:
-            while launcher.poll() is None:
-                if time.monotonic() - started > limit:
-                    timed_out = True
-                    break
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    seen.update((p.pid, p) for p in agent.children(recursive=True))
-                time.sleep(0.2)
-        finally:
-            if launcher.poll() is None:  # timed out, or interrupted
-                _kill([agent])
-            # Workers normally end with the launcher; any that outlived it are killed.
-            _, left = psutil.wait_procs(list(seen.values()), timeout=5)
-            _kill(left)
-            launcher.wait()
-        log.seek(0)
-        output = log.read()
-    if timed_out:
-        raise RankError(f"torchrun -m {module} did not finish within {limit:g} s:\n{output}")
-    if launcher.returncode != 0:
-        raise RankError(f"torchrun -m {module} failed (exit code {launcher.returncode}):\n{output}")
-    return output
+    job = run_nodes(module, args, 1, nproc, max_restarts, timeout)
+    return job.output
 
 
 def _kill(processes: list) -> None:

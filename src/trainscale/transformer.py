@@ -20,7 +20,11 @@ its shape and the switches the chapters turn:
 - ``tied``: the head reuses the token embedding's weight;
 - ``qk_norm``: a layer norm on each head's queries and keys before their dot
   product (QK-layernorm, Dehghani et al. 2023; Wortsman et al., arXiv
-  2309.14322), which bounds the attention scores (chapter 10).
+  2309.14322), which bounds the attention scores (chapter 10);
+- ``qkv_layout="by_head"`` stores the fused query-key-value matrix head by head,
+  as Megatron-LM does, so that splitting its rows into equal contiguous blocks
+  gives each tensor-parallel rank whole heads (chapter 16). :func:`gpt` draws
+  the same weights either way, so both layouts compute the same function.
 
 :func:`attend` is the attention formula itself, which the tensor-parallel
 demonstrations of chapter 06 reuse. :func:`parameter_counts` gives the exact
@@ -32,6 +36,7 @@ token, which is the ``N`` of ``6N`` FLOPs per token.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +51,10 @@ ATTENTION = ("naive", "sdpa")
 
 RECOMPUTE = ("none", "selective", "full")
 """Activation checkpointing: none, each block's attention core, or each whole block."""
+
+QKV_LAYOUTS = ("blocked", "by_head")
+"""How the rows of the fused ``qkv`` projection are ordered: all queries, then all keys,
+then all values; or head by head (a head's query, key and value rows together)."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +73,7 @@ class GPTConfig:
     1-byte mask per element, as on a GPU, instead of one in the activations' dtype.
     ``qk_norm=True`` adds a layer norm (weight and bias over one head's
     ``d_model / heads`` features) on the queries and one on the keys of every block.
+    ``qkv_layout`` is one of :data:`QKV_LAYOUTS`.
     """
 
     vocab: int = 64
@@ -78,6 +88,7 @@ class GPTConfig:
     fused_dropout: bool = False
     recompute: str = "none"
     qk_norm: bool = False
+    qkv_layout: str = "blocked"
 
     def __post_init__(self) -> None:
         for name in ("vocab", "context", "d_model", "layers", "heads"):
@@ -92,6 +103,7 @@ class GPTConfig:
         _checks.boolean("fused_dropout", self.fused_dropout)
         _checks.choice("recompute", self.recompute, RECOMPUTE)
         _checks.boolean("qk_norm", self.qk_norm)
+        _checks.choice("qkv_layout", self.qkv_layout, QKV_LAYOUTS)
         if self.recompute == "selective" and self.attention != "naive":
             raise ValueError(
                 f"recompute='selective' needs attention='naive', got {self.attention!r}"
@@ -173,8 +185,14 @@ class CausalSelfAttention(nn.Module):
     """Multi-head self-attention in which token ``t`` sees tokens ``0..t`` only.
 
     One ``qkv`` projection (``d_model -> 3 d_model``: queries, keys, values, each
-    ``heads`` slices of ``d_model / heads`` features), :func:`attend`, and the
-    output projection ``proj``.
+    ``heads`` slices of ``d_model / heads`` features, in the order
+    ``config.qkv_layout`` says), :func:`attend`, and the output projection ``proj``.
+
+    With ``qkv_layout="by_head"`` the number of heads is read from the
+    projection's output width, not from the config: under tensor parallelism a
+    rank's share of ``qkv`` produces only its own heads, and the same code runs
+    on them. ``attend_fn``, if set, replaces :func:`attend` as ``attend_fn(q, k, v)``
+    (causal): chapter 16 sets it to ring attention over a context-parallel group.
     """
 
     def __init__(self, config: GPTConfig) -> None:
@@ -185,13 +203,19 @@ class CausalSelfAttention(nn.Module):
         if config.qk_norm:  # over each head's features, shared by the heads
             self.q_norm = nn.LayerNorm(config.d_model // config.heads)
             self.k_norm = nn.LayerNorm(config.d_model // config.heads)
+        self.attend_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None
+        self.attend_fn = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, width = x.shape
         c = self.config
-        q, k, v = self.qkv(x).split(width, dim=-1)
-        # (batch, seq, width) -> (batch, heads, seq, head width)
-        q, k, v = (t.view(batch, seq, c.heads, -1).transpose(1, 2) for t in (q, k, v))
+        if c.qkv_layout == "by_head":  # (batch, seq, heads, 3, head width), heads inferred
+            fused = self.qkv(x).view(batch, seq, -1, 3, c.d_model // c.heads)
+            q, k, v = (t.transpose(1, 2) for t in fused.unbind(dim=3))
+        else:
+            q, k, v = self.qkv(x).split(width, dim=-1)
+            # (batch, seq, width) -> (batch, heads, seq, head width)
+            q, k, v = (t.view(batch, seq, c.heads, -1).transpose(1, 2) for t in (q, k, v))
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         options = {
@@ -200,11 +224,13 @@ class CausalSelfAttention(nn.Module):
             "training": self.training,
             "fused_dropout": c.fused_dropout,
         }
-        if c.recompute == "selective":  # Korthikanti et al.'s selective recomputation
+        if self.attend_fn is not None:
+            out = self.attend_fn(q, k, v)
+        elif c.recompute == "selective":  # Korthikanti et al.'s selective recomputation
             out = checkpoint(attend, q, k, v, use_reentrant=False, **options)
         else:
             out = attend(q, k, v, **options)
-        return self.proj(out.transpose(1, 2).reshape(batch, seq, width))
+        return self.proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
 class Block(nn.Module):
@@ -298,7 +324,29 @@ def gpt(config: GPTConfig, seed: int = 0, dtype: torch.dtype = torch.float32) ->
                 nn.init.normal_(param, std=residual_std)
             else:
                 nn.init.normal_(param, std=0.02)
+        if config.qkv_layout == "by_head":
+            _store_qkv_by_head(model)
     return model
+
+
+def qkv_by_head_order(d_model: int, heads: int) -> torch.Tensor:
+    """Row ``i`` of a head-by-head ``qkv`` matrix is row ``order[i]`` of the blocked one.
+
+    Blocked rows are ``[q (d_model), k (d_model), v (d_model)]``, each ``heads``
+    runs of ``d_model / heads``; head by head they are ``[q_0, k_0, v_0, q_1, ...]``.
+    """
+    head = d_model // heads
+    blocked = torch.arange(3 * d_model).view(3, heads, head)  # (q/k/v, head, feature)
+    return blocked.transpose(0, 1).reshape(-1)
+
+
+@torch.no_grad()
+def _store_qkv_by_head(model: GPT) -> None:
+    """Reorder every block's ``qkv`` rows from blocked to head by head, in place."""
+    order = qkv_by_head_order(model.config.d_model, model.config.heads)
+    for block in model.blocks:
+        block.attention.qkv.weight.copy_(block.attention.qkv.weight[order])
+        block.attention.qkv.bias.copy_(block.attention.qkv.bias[order])
 
 
 def parameter_counts(config: GPTConfig) -> dict[str, int]:

@@ -1,0 +1,564 @@
+"""``python -m trainscale.planner``: chapter 13's layout planner on the command line.
+
+Give it a model, a cluster and a global batch; it prints the planner's best
+TP x PP x DP layouts (:func:`trainscale.planner.plan`, one line per shape, with
+the estimated MFU, step time and memory per GPU) and a ready ``torchrun``
+command that runs the best one with the book's capstone, :mod:`trainscale.train`::
+
+    python -m trainscale.planner --model 70b
+    python -m trainscale.planner --model gpt-175b-on-64-a100s-selective-recompute
+    python -m trainscale.planner --params 7e9 --layers 32 --hidden 4096 --heads 32 \\
+        --seq-len 4096 --vocab 32000 --gpu H100-80GB --nodes 2 --global-batch 512
+    python -m trainscale.planner --model 70b --laptop 8
+
+A model is a preset (``--list-models`` names them: the book's worked example
+``70b``, and every published run of :func:`trainscale.published.published_runs`,
+each with its own cluster and global batch) or explicit sizes; explicit flags
+also override a preset's. For a published run left as published, it also prints
+the planner's estimate of the published layout, with its range
+(:func:`trainscale.planner.estimate_run`), next to the published MFU. ``--laptop N``
+scales the best layout down to a tiny model that runs on N gloo processes on a
+CPU, with the same kinds of parallelism (:func:`laptop_shape`), and prints that
+command too.
+
+How a planner layout becomes the capstone's flags (:func:`train_flags`): ZeRO-0
+is plain replication (``--dp-replicate``); ZeRO-1, 2 and 3 become FSDP2's
+sharding (``--dp-shard``), which shards parameters as well (ZeRO-3), so it needs
+no more memory than the planner counted; selective recomputation becomes
+``--checkpoint-activations``, which recomputes whole blocks (more compute, less
+memory than planned); an interleaving depth above 1 becomes ``--pp-schedule
+interleaved --virtual-stages V``. The printed commands use the c10d rendezvous
+on ``$HEAD_NODE:29500`` on a cluster, on 127.0.0.1 on a laptop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import re
+import shlex
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from trainscale import _checks, planner
+from trainscale.memory import GIB
+from trainscale.published import GPUS, PublishedRun, published_runs
+
+DEFAULT_GPU = "H100-80GB"
+"""The GPU of the book's worked example (:data:`trainscale.planner.EXAMPLE_CLUSTER`),
+and of a model given by its sizes unless ``--gpu`` says otherwise."""
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A model with the cluster and global batch (sequences) it is planned for by default."""
+
+    title: str
+    model: planner.Model
+    gpu: str
+    nodes: int
+    inter_node_bandwidth: float
+    global_batch: int
+    run: PublishedRun | None = None
+    """The published run the preset comes from, if any."""
+
+
+def preset_name(title: str) -> str:
+    """A preset's name on the command line: ``"GPT 1.7B on 32 A100s"`` becomes
+    ``"gpt-1.7b-on-32-a100s"``."""
+    return re.sub(r"[^a-z0-9.]+", "-", title.lower().replace(",", "")).strip("-")
+
+
+def presets() -> dict[str, Preset]:
+    """Every preset by name: the book's 70B worked example, then each published run."""
+    example = planner.EXAMPLE_CLUSTER
+    found = {
+        "70b": Preset(
+            "the book's 70B worked example (chapter 13)",
+            planner.EXAMPLE_MODEL,
+            DEFAULT_GPU,
+            example.nodes,
+            example.inter_node_bandwidth,
+            planner.EXAMPLE_GLOBAL_BATCH,
+        )
+    }
+    for run in published_runs():
+        cluster = planner.published_cluster(run)
+        found[preset_name(run.name)] = Preset(
+            run.name,
+            planner.published_model(run),
+            run.gpu,
+            cluster.nodes,
+            cluster.inter_node_bandwidth,
+            run.global_batch,
+            run,
+        )
+    return found
+
+
+# --------------------------------------------------------------------------- arguments
+
+MODEL_FLAGS = {
+    "params": "parameters in total, embeddings included",
+    "layers": "transformer layers",
+    "hidden": "hidden size (model width)",
+    "heads": "attention heads",
+    "seq_len": "tokens per sequence",
+    "vocab": "vocabulary size",
+}
+"""The model's sizes as flags (``--seq-len`` for ``seq_len``), each a field of
+:class:`trainscale.planner.Model`."""
+
+
+def _flag(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m trainscale.planner``."""
+    p = argparse.ArgumentParser(
+        prog="python -m trainscale.planner",
+        description=(
+            "Rank the TP x PP x DP layouts of a model on a cluster (chapter 13's planner)"
+            " and print the torchrun command that trains the best one."
+        ),
+    )
+    add = p.add_argument
+    add("--model", default=None, help="a preset (see --list-models); sizes below override it")
+    for field, meaning in MODEL_FLAGS.items():
+        add(_flag(field), type=float, default=None, help=meaning)
+    add("--gpu", default=None, help=f"one of {', '.join(GPUS)} (default: {DEFAULT_GPU})")
+    example = planner.EXAMPLE_CLUSTER
+    add(
+        "--nodes",
+        type=float,
+        default=None,
+        help=f"machines (default: the preset's, or {example.nodes})",
+    )
+    add("--gpus-per-node", type=float, default=None, help="GPUs per machine (default: the GPU's)")
+    add(
+        "--inter-node-bandwidth",
+        type=float,
+        default=None,
+        help=f"bytes/s each GPU sends to other nodes (default: the preset's, or"
+        f" {example.inter_node_bandwidth:g})",
+    )
+    add(
+        "--global-batch",
+        type=float,
+        default=None,
+        help=f"sequences per optimiser step (default: the preset's, or"
+        f" {planner.EXAMPLE_GLOBAL_BATCH})",
+    )
+    add("--top", type=int, default=5, metavar="K", help="list K layouts (default: 5)")
+    add(
+        "--laptop",
+        type=int,
+        default=None,
+        metavar="N",
+        help="also print the best layout scaled down to a tiny model on N CPU processes",
+    )
+    add("--list-models", action="store_true", help="list the presets and stop")
+    return p
+
+
+@dataclass(frozen=True)
+class Request:
+    """What to plan: a model, a cluster of ``gpu``, a global batch in sequences."""
+
+    model: planner.Model
+    cluster: planner.Cluster
+    gpu: str
+    global_batch: int
+    top: int
+    laptop: int | None
+    published: PublishedRun | None = None
+    """The published run asked for, unchanged by any flag (its own model, cluster, batch)."""
+
+
+def _model(args: argparse.Namespace, preset: Preset | None) -> planner.Model:
+    """The preset's model with the sizes given as flags, checked under the flags' names."""
+    given = {f: getattr(args, f) for f in MODEL_FLAGS if getattr(args, f) is not None}
+    if preset is None and len(given) < len(MODEL_FLAGS):
+        missing = [_flag(f) for f in MODEL_FLAGS if f not in given]
+        raise ValueError(f"without --model, give every size: {', '.join(missing)} missing")
+    sizes = {f: _checks.count(_flag(f), value, minimum=1) for f, value in given.items()}
+    merged = {f: getattr(preset.model, f) for f in MODEL_FLAGS} if preset else {}
+    merged.update(sizes)
+    if merged["hidden"] % merged["heads"]:
+        raise ValueError(
+            f"--hidden must be a multiple of --heads={merged['heads']}, got {merged['hidden']}"
+        )
+    tied = preset.model.tied_embeddings if preset else False
+    embedding = merged["vocab"] * merged["hidden"] * (1 if tied else 2)
+    if merged["params"] <= embedding:
+        raise ValueError(
+            f"--params must exceed the {embedding:,} parameters of the embedding and output"
+            f" layers (--vocab x --hidden, twice unless tied), got {merged['params']:,}"
+        )
+    return dataclasses.replace(preset.model, **sizes) if preset else planner.Model(**sizes)
+
+
+def _cluster(args: argparse.Namespace, preset: Preset | None) -> tuple[planner.Cluster, str]:
+    """The cluster: the preset's (or the worked example's), with the flags given."""
+    gpu = args.gpu or (preset.gpu if preset else DEFAULT_GPU)
+    _checks.choice("--gpu", gpu, tuple(GPUS))
+    bandwidth = args.inter_node_bandwidth
+    if bandwidth is None:
+        bandwidth = (
+            preset.inter_node_bandwidth if preset else planner.EXAMPLE_CLUSTER.inter_node_bandwidth
+        )
+    settings = planner.node_settings(gpu, _checks.positive("--inter-node-bandwidth", bandwidth))
+    if args.gpus_per_node is not None:
+        settings["gpus_per_node"] = _checks.count("--gpus-per-node", args.gpus_per_node, minimum=1)
+    default = preset.nodes if preset else planner.EXAMPLE_CLUSTER.nodes
+    nodes = args.nodes if args.nodes is not None else default
+    return planner.Cluster(nodes=_checks.count("--nodes", nodes, minimum=1), **settings), gpu
+
+
+def parse(argv: Sequence[str] | None = None) -> Request | None:
+    """The :class:`Request` the command line asks for (``None`` for ``--list-models``).
+
+    A bad value raises ``ValueError`` naming its flag; an unknown flag ends the
+    program as ``argparse`` does (exit status 2)."""
+    args = parser().parse_args(argv)
+    known = presets()
+    if args.list_models:
+        return None
+    if args.model is not None and args.model not in known:
+        raise ValueError(f"--model must be one of --list-models' names, got {args.model!r}")
+    preset = known[args.model] if args.model else None
+    model = _model(args, preset)
+    cluster, gpu = _cluster(args, preset)
+    batch = (
+        args.global_batch
+        if args.global_batch is not None
+        else (preset.global_batch if preset else planner.EXAMPLE_GLOBAL_BATCH)
+    )
+    batch = _checks.count("--global-batch", batch, minimum=1)
+    top = _checks.count("--top", args.top, minimum=1)
+    laptop = None if args.laptop is None else _checks.count("--laptop", args.laptop, minimum=1)
+    run = preset.run if preset else None
+    if run and (model, cluster, batch) != (
+        preset.model,
+        planner.published_cluster(run),
+        run.global_batch,
+    ):
+        run = None  # a flag changed the run: the published figures no longer apply
+    return Request(model, cluster, gpu, batch, top, laptop, run)
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def _data_parallel_flags(zero_stage: int, dp: int) -> list[str]:
+    """ZeRO-0 replicates (DDP); any ZeRO stage shards with FSDP2 (ZeRO-3)."""
+    return ["--dp-replicate", str(dp)] if zero_stage == 0 else ["--dp-shard", str(dp)]
+
+
+def _schedule_flags(pp: int, virtual_stages: int) -> list[str]:
+    if pp == 1:
+        return []
+    if virtual_stages > 1:
+        return ["--pp-schedule", "interleaved", "--virtual-stages", str(virtual_stages)]
+    return ["--pp-schedule", "1f1b"]
+
+
+def train_flags(layout: planner.Layout, model: planner.Model, peak_flops: float) -> list[str]:
+    """``python -m trainscale.train``'s flags for ``layout`` of ``model`` on GPUs of
+    ``peak_flops`` (FLOP/s, for the MFU in the training log), in bf16."""
+    if layout.accumulation is None:
+        raise ValueError(f"layout must be a valid one, got verdict {layout.verdict!r}")
+    flags = [
+        *("--tp", str(layout.tp), "--pp", str(layout.pp)),
+        *_data_parallel_flags(layout.zero_stage, layout.dp),
+        *(["--cp", str(layout.cp)] if layout.cp > 1 else []),  # ring attention, chapter 14
+        *_schedule_flags(layout.pp, layout.virtual_stages),
+        *("--micro-batch", str(layout.micro_batch), "--grad-accum", str(layout.accumulation)),
+        *(["--checkpoint-activations"] if layout.recompute != "none" else []),
+        "--bf16",
+        *("--layers", str(model.layers), "--width", str(model.hidden)),
+        *("--heads", str(model.heads), "--seq-len", str(model.seq_len)),
+        *("--vocab", str(model.vocab), "--peak-flops", f"{peak_flops:g}"),
+    ]
+    return flags
+
+
+def cluster_command(layout: planner.Layout, request: Request) -> str:
+    """The ``torchrun`` command each node of the cluster runs for ``layout``."""
+    cluster = request.cluster
+    launcher = [
+        "torchrun",
+        f"--nnodes={cluster.nodes}",
+        f"--nproc-per-node={cluster.gpus_per_node}",
+        *("--rdzv-backend=c10d", "--rdzv-endpoint=$HEAD_NODE:29500"),
+    ]
+    flags = train_flags(layout, request.model, cluster.peak_flops)
+    return _lines(launcher, flags)
+
+
+def laptop_shape(layout: planner.Layout, ranks: int) -> tuple[int, int, int]:
+    """``(TP, PP, DP)`` on ``ranks`` CPU processes, keeping the layout's kinds of parallelism.
+
+    The prime factors of ``ranks``, largest first, go first to each of the
+    layout's dimensions above 1 (TP, then PP, then DP), as long as it does not
+    grow beyond the layout's own size, then to the dimension furthest below its
+    size; what is left goes to DP. ``TP 8 x PP 4 x DP 2`` on 8 ranks becomes
+    ``TP 2 x PP 2 x DP 2``; on 4 ranks, ``TP 2 x PP 2 x DP 1``.
+    """
+    n = _checks.count("ranks", ranks, minimum=1)
+    target = [layout.tp, layout.pp, layout.dp]
+    shape = [1, 1, 1]
+    for factor in _prime_factors(n):
+        room = [i for i in range(3) if shape[i] * factor <= target[i]]
+        fresh = [i for i in room if shape[i] == 1]
+        if fresh:
+            pick = fresh[0]
+        elif room:
+            pick = max(room, key=lambda i: target[i] / shape[i])
+        else:
+            pick = 2
+        shape[pick] *= factor
+    return shape[0], shape[1], shape[2]
+
+
+def _prime_factors(n: int) -> list[int]:
+    """Prime factors of ``n``, with repeats, largest first."""
+    factors, rest, p = [], n, 2
+    while p * p <= rest:
+        while rest % p == 0:
+            factors.append(p)
+            rest //= p
+        p += 1
+    if rest > 1:
+        factors.append(rest)
+    return sorted(factors, reverse=True)
+
+
+LAPTOP_MODEL = {"head_dim": 16, "seq_len": 32, "vocab": 64, "micro_batch": 2, "steps": 10}
+"""The tiny model of ``--laptop``: 16 numbers per head (at least 4 heads, a multiple
+of TP), sequences of (at least) 32 tokens, a multiple of TP, from 64 token ids,
+2 sequences per micro-batch, 10 optimiser steps. One layer per pipeline stage and
+chunk (at least 2), and twice as many micro-batches per step as stages."""
+
+
+def laptop_flags(layout: planner.Layout, ranks: int, peak_flops: float | None = None) -> list[str]:
+    """``python -m trainscale.train``'s flags for ``layout`` scaled down to ``ranks`` CPU
+    processes (:func:`laptop_shape`): a tiny model of the same kind, fp32, few steps;
+    with ``peak_flops`` (one process's peak FLOP/s, e.g. measured as in chapter 12) the
+    training log reports MFU."""
+    tp, pp, dp = laptop_shape(layout, ranks)
+    virtual = layout.virtual_stages if pp > 1 else 1
+    heads = tp * math.ceil(4 / tp)
+    layers = max(2, pp * virtual)
+    tiny = LAPTOP_MODEL
+    if peak_flops is None:
+        mfu = []
+    else:
+        mfu = ["--peak-flops", f"{_checks.positive('peak_flops', peak_flops):g}"]
+    return [
+        *("--tp", str(tp), "--pp", str(pp)),
+        *_data_parallel_flags(layout.zero_stage, dp),
+        *_schedule_flags(pp, virtual),
+        *("--micro-batch", str(tiny["micro_batch"]), "--grad-accum", str(2 * pp)),
+        *(["--checkpoint-activations"] if layout.recompute != "none" else []),
+        *("--layers", str(layers), "--width", str(tiny["head_dim"] * heads)),
+        *("--heads", str(heads), "--seq-len", str(tp * math.ceil(tiny["seq_len"] / tp))),
+        *("--vocab", str(tiny["vocab"])),
+        *("--steps", str(tiny["steps"]), "--warmup", "2", "--log-every", "1"),
+        *mfu,
+    ]
+
+
+def laptop_command(layout: planner.Layout, ranks: int) -> str:
+    """The ``torchrun`` command that runs :func:`laptop_flags` on this machine, with gloo
+    on the loopback interface."""
+    launcher = [
+        "GLOO_SOCKET_IFNAME=lo",
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
+        "torchrun",
+        *("--nnodes=1", f"--nproc-per-node={ranks}"),
+        *("--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:29500", "--local-addr=127.0.0.1"),
+    ]
+    return _lines(launcher, laptop_flags(layout, ranks))
+
+
+def _lines(launcher: list[str], flags: list[str]) -> str:
+    """``launcher -m trainscale.train flags``, broken into lines of shell continuation,
+    each flag next to its value."""
+    words = [a if "$" in a else shlex.quote(a) for a in launcher]
+    words.append("-m trainscale.train")
+    for arg in flags:
+        if arg.startswith("--"):
+            words.append(arg)
+        else:
+            words[-1] += " " + shlex.quote(arg)
+    lines, line = [], ""
+    for word in words:
+        if line and len(line) + len(word) > 76:
+            lines.append(line)
+            line = ""
+        line = f"{line} {word}".strip()
+    lines.append(line)
+    return " \\\n    ".join(lines)
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _mfu(layout: planner.Layout) -> str:
+    """MFU, with the planner's range where it gives one (``mfu_low``..``mfu_high``)."""
+    low, high = getattr(layout, "mfu_low", None), getattr(layout, "mfu_high", None)
+    text = f"{layout.mfu:.1%}"
+    if low is not None and high is not None:
+        text += f" ({low:.1%}-{high:.1%})"
+    return text
+
+
+def describe(request: Request) -> list[str]:
+    """The lines that say what is planned."""
+    m, c = request.model, request.cluster
+    tokens = request.global_batch * m.seq_len
+    return [
+        f"model: {m.params / 1e9:,.1f}B parameters, {m.layers} layers, hidden {m.hidden:,},"
+        f" {m.heads} heads, {m.seq_len:,} tokens per sequence, vocabulary {m.vocab:,}",
+        f"cluster: {c.nodes} node{'s' * (c.nodes != 1)} x {c.gpus_per_node} {request.gpu}"
+        f" = {c.gpus:,} GPUs"
+        f" of {c.memory_bytes / GIB:.1f} GiB, {c.inter_node_bandwidth / 1e9:g} GB/s per GPU"
+        " between nodes",
+        f"global batch: {request.global_batch:,} sequences = {tokens:,} tokens",
+    ]
+
+
+def layout_table(layouts: Sequence[planner.Layout]) -> list[str]:
+    """One line per layout: shape, settings, MFU (range), step time, memory per GPU."""
+    lines = [f"  #  {'layout':<22} {'settings':<48} {'MFU':<16} {'step':>9} {'memory/GPU':>11}"]
+    for rank, lay in enumerate(layouts, start=1):
+        shape = lay.name.replace("\u00d7", "x")
+        v = f", V {lay.virtual_stages}" if lay.virtual_stages > 1 else ""
+        lines.append(
+            f"{rank:>3}  {shape:<22} {lay.settings + v:<48} {_mfu(lay):<16}"
+            f" {lay.step_seconds:>7.2f} s {lay.memory_bytes / GIB:>7.1f} GiB"
+        )
+    return lines
+
+
+def refusal(flags: list[str], ranks: int) -> str | None:
+    """Why :mod:`trainscale.train` would refuse ``flags`` on ``ranks`` processes (its own
+    checks: layers per stage, heads per TP rank, micro-batches in the pipeline...),
+    or ``None`` if it takes them."""
+    from trainscale import train  # imports torch: only when a command is to be printed
+
+    try:
+        train.parse_args(flags).layout(ranks)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def _runnable(best: Sequence[planner.Layout], request: Request) -> tuple[int | None, list[str]]:
+    """The place in ``best`` of the first layout the capstone can run, and a note for
+    each faster one it cannot."""
+    notes = []
+    for place, layout in enumerate(best):
+        flags = train_flags(layout, request.model, request.cluster.peak_flops)
+        reason = refusal(flags, request.cluster.gpus)
+        if reason is None:
+            return place, notes
+        notes.append(f"trainscale.train cannot run layout {place + 1} as planned: {reason}")
+    return None, notes
+
+
+def _published_lines(run: PublishedRun) -> list[str]:
+    """The planner's estimate of the published layout, with its range, next to the
+    published MFU (:func:`trainscale.planner.estimate_run`)."""
+    try:
+        estimate = planner.estimate_run(run)
+    except ValueError as error:  # a layout the planner cannot estimate (e.g. CP > 1)
+        return [f"the published layout: {error}", ""]
+    fits = "fits" if estimate.fits else "does not fit"
+    place = (
+        f"the planner ranks its shape {estimate.rank} at the run's own settings"
+        if estimate.rank
+        else "its shape is not among the planner's fitting ones"
+    )
+    return [
+        f"the published layout, TP {run.tp} x PP {run.pp} x DP {run.dp}: estimated MFU"
+        f" {estimate.mfu:.1%} (range {estimate.mfu_low:.1%}-{estimate.mfu_high:.1%}),",
+        f"  published {planner.reported_mfu(run):.1%} (6N); it {fits} in"
+        f" {estimate.memory_bytes / GIB:.1f} GiB per GPU; {place}",
+        "",
+    ]
+
+
+def _shape_note(model: planner.Model) -> list[str]:
+    """A note when the capstone's decoder (multi-head attention, a plain 4h MLP) differs
+    from the planned model's shape."""
+    differences = []
+    if model.kv_heads not in (None, model.heads):
+        differences.append(f"{model.kv_heads} key-value heads")
+    if model.experts:
+        differences.append(f"{model.experts} experts (chapter 15; the capstone has none)")
+    if model.ffn_hidden not in (None, 4 * model.hidden) or model.gated_mlp:
+        gated = "gated " if model.gated_mlp else ""
+        differences.append(f"a {gated}MLP of width {model.ffn_hidden or 4 * model.hidden:,}")
+    if not differences:
+        return []
+    return [
+        f"note: trainscale.train builds a GPT block (as many key-value heads as heads, an MLP"
+        f" of width 4 x --width), not this model's {' and '.join(differences)}",
+        "",
+    ]
+
+
+def _laptop_lines(layout: planner.Layout, ranks: int) -> list[str]:
+    tp, pp, dp = laptop_shape(layout, ranks)
+    return [
+        f"the same kinds of parallelism on this computer: TP {tp} x PP {pp} x DP {dp},"
+        f" a tiny model on {ranks} CPU processes",
+        "",
+        laptop_command(layout, ranks),
+        "",
+    ]
+
+
+def report(request: Request) -> tuple[list[str], bool]:
+    """Everything ``main`` prints for ``request``, and whether it found a layout to run."""
+    layouts = planner.plan(request.model, request.cluster, request.global_batch)
+    best = planner.top_layouts(layouts, count=request.top)
+    counts = planner.verdict_counts(layouts)
+    lines = [*describe(request), f"{len(layouts):,} layouts tried, {counts['fits']:,} fit", ""]
+    if not best:
+        return [*lines, "no layout fits: add GPUs, or shorten the sequences"], False
+    lines += ["the fastest shapes (planner estimates):", *layout_table(best), ""]
+    if request.published is not None:
+        lines += _published_lines(request.published)
+    place, notes = _runnable(best, request)
+    lines += [*(f"note: {note}" for note in notes), *([""] if notes else [])]
+    if place is None:
+        return [*lines, "none of these layouts runs with trainscale.train as it is"], False
+    chosen = best[place]
+    where = "on each node run" if request.cluster.nodes > 1 else "run"
+    lines += [f"to train layout {place + 1}, {chosen.name.replace(chr(215), 'x')}, {where}", ""]
+    lines += [cluster_command(chosen, request), "", *_shape_note(request.model)]
+    if request.laptop is not None:
+        lines += _laptop_lines(chosen, request.laptop)
+    return lines, True
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; return the exit status (0 done, 1 nothing fits, 2 bad input)."""
+    try:
+        request = parse(argv)
+    except ValueError as error:
+        print(f"python -m trainscale.planner: error: {error}", file=sys.stderr)
+        return 2
+    if request is None:
+        for name, preset in presets().items():
+            print(f"{name:<48} {preset.title}")
+        return 0
+    lines, fits = report(request)
+    print("\n".join(lines))
+    return 0 if fits else 1

@@ -1,0 +1,237 @@
+"""``python -m trainscale.planner``: presets, explicit sizes, bad flags, and commands that run."""
+
+import dataclasses
+import shlex
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from trainscale import planner, planner_cli, train
+from trainscale.published import published_runs
+
+
+def test_every_published_run_and_the_books_example_are_presets():
+    found = planner_cli.presets()
+    assert found["70b"].model == planner.EXAMPLE_MODEL
+    assert found["70b"].global_batch == planner.EXAMPLE_GLOBAL_BATCH
+    titles = {preset.title for preset in found.values()}
+    assert {run.name for run in published_runs()} <= titles
+    assert len(found) == len(published_runs()) + 1  # no two runs share a name
+
+
+def test_preset_names_are_the_titles_in_lower_case_words():
+    assert planner_cli.preset_name("GPT 1.7B on 32 A100s") == "gpt-1.7b-on-32-a100s"
+    assert (
+        planner_cli.preset_name("Llama 3 405B on 8,192 H100s, 8K tokens")
+        == "llama-3-405b-on-8192-h100s-8k-tokens"
+    )
+
+
+def test_a_preset_brings_its_cluster_and_batch_and_flags_override_them():
+    run = published_runs()[0]  # GPT 1.7B on 32 A100s: 4 nodes of 8, batch 512
+    request = planner_cli.parse(["--model", planner_cli.preset_name(run.name)])
+    assert (request.cluster.gpus, request.gpu, request.global_batch) == (32, "A100-80GB", 512)
+    assert request.model == planner.published_model(run)
+    changed = planner_cli.parse(["--model", "70b", "--seq-len", "8192", "--nodes", "2"])
+    assert (changed.model.seq_len, changed.model.layers, changed.cluster.nodes) == (8192, 80, 2)
+
+
+def test_explicit_sizes_make_the_model_and_the_gpu_sets_the_node():
+    sizes = "--params 7e9 --layers 32 --hidden 4096 --heads 32 --seq-len 4096 --vocab 32000"
+    request = planner_cli.parse([*sizes.split(), "--gpu", "A100-80GB", "--nodes", "2"])
+    assert request.model == planner.Model(7e9, 32, 4096, 32, 4096, 32000)
+    assert (request.cluster.gpus_per_node, request.cluster.gpus) == (8, 16)
+    assert request.cluster.peak_flops == 312e12
+    assert request.cluster.inter_node_bandwidth == 50e9  # the default, 400 Gb/s per GPU
+    assert request.global_batch == planner.EXAMPLE_GLOBAL_BATCH
+
+
+SIZES = ["--params", "7e9", "--layers", "32", "--hidden", "4096", "--heads", "32"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["--model", "71b"], "--model"),
+        (SIZES, "--seq-len, --vocab missing"),
+        (["--model", "70b", "--layers", "0"], "--layers"),
+        (["--model", "70b", "--hidden", "1000"], "--hidden must be a multiple of --heads=64"),
+        (["--model", "70b", "--params", "1e6"], "--params must exceed"),
+        (["--model", "70b", "--gpu", "Z80"], "--gpu"),
+        (["--model", "70b", "--nodes", "0"], "--nodes"),
+        (["--model", "70b", "--nodes", "1.5"], "--nodes"),
+        (["--model", "70b", "--gpus-per-node", "0"], "--gpus-per-node"),
+        (["--model", "70b", "--inter-node-bandwidth", "-1"], "--inter-node-bandwidth"),
+        (["--model", "70b", "--global-batch", "0"], "--global-batch"),
+        (["--model", "70b", "--top", "0"], "--top"),
+        (["--model", "70b", "--laptop", "0"], "--laptop"),
+    ],
+)
+def test_bad_inputs_are_refused_naming_the_flag(argv, flag, capsys):
+    with pytest.raises(ValueError, match=flag):
+        planner_cli.parse(argv)
+    assert planner_cli.main(argv) == 2
+    assert flag in capsys.readouterr().err
+
+
+def test_an_unknown_flag_is_argparses_error(capsys):
+    with pytest.raises(SystemExit) as stopped:
+        planner_cli.main(["--no-such-flag"])
+    assert stopped.value.code == 2
+    assert "unrecognized arguments: --no-such-flag" in capsys.readouterr().err
+
+
+def _shape(tp: int, pp: int, dp: int) -> SimpleNamespace:
+    return SimpleNamespace(tp=tp, pp=pp, dp=dp)
+
+
+@pytest.mark.parametrize(
+    ("planned", "ranks", "laptop"),
+    [
+        ((8, 4, 2), 8, (2, 2, 2)),  # 2, 2, 2: one factor to each dimension
+        ((8, 4, 2), 4, (2, 2, 1)),  # no factor left for DP
+        ((4, 1, 2), 8, (4, 1, 2)),  # TP 2, DP 2, then TP 4 (DP is full)
+        ((1, 1, 64), 8, (1, 1, 8)),  # data parallelism only
+        ((8, 4, 2), 6, (3, 2, 1)),  # 6 = 3 x 2: TP 3 (largest factor first), PP 2
+        ((1, 1, 1), 2, (1, 1, 2)),  # nothing to keep: the rest goes to DP
+    ],
+)
+def test_the_laptop_keeps_the_kinds_of_parallelism(planned, ranks, laptop):
+    shape = planner_cli.laptop_shape(_shape(*planned), ranks)
+    assert shape == laptop
+    assert shape[0] * shape[1] * shape[2] == ranks
+
+
+@pytest.fixture(scope="module")
+def example() -> SimpleNamespace:
+    """The 70B worked example, planned once: the request, the best shapes, the CLI's output."""
+    argv = ["--model", "70b", "--top", "3", "--laptop", "8"]
+    request = planner_cli.parse(argv)
+    layouts = planner.plan(request.model, request.cluster, request.global_batch)
+    lines, fits = planner_cli.report(request)
+    best = planner.top_layouts(layouts, 3)
+    return SimpleNamespace(
+        request=request, layouts=layouts, best=best, text="\n".join(lines), fits=fits
+    )
+
+
+def _train_argv(command: str) -> list[str]:
+    """The arguments after ``-m trainscale.train`` of a printed command."""
+    words = shlex.split(command.replace("\\\n", " "))
+    return words[words.index("trainscale.train") + 1 :]
+
+
+def _commands(text: str) -> list[str]:
+    """The printed commands: each starts a paragraph and ends at the next blank line."""
+    return [block for block in text.split("\n\n") if "-m trainscale.train" in block]
+
+
+def test_the_report_lists_the_planners_best_shapes_and_commands(example):
+    assert example.fits
+    for place, layout in enumerate(example.best, start=1):
+        shape = f"TP {layout.tp} x PP {layout.pp} x DP {layout.dp}"
+        assert f"{place:>3}  {shape} " in example.text
+    assert f"{len(example.layouts):,} layouts tried" in example.text
+    cluster, laptop = _commands(example.text)
+    assert cluster.startswith("torchrun --nnodes=8 --nproc-per-node=8 --rdzv-backend=c10d")
+    assert "--rdzv-endpoint=$HEAD_NODE:29500" in cluster
+    assert "--nproc-per-node=8" in laptop and "--rdzv-endpoint=127.0.0.1:29500" in laptop
+
+
+def test_the_printed_commands_parse_with_the_capstones_own_checks(example):
+    if "--tp" not in train.parser().format_help():
+        pytest.skip("trainscale.train does not take --tp yet (issue 14, section 1)")
+    cluster, laptop = (_train_argv(c) for c in _commands(example.text))
+    best = example.best[0]
+    assert cluster == planner_cli.train_flags(best, example.request.model, 989e12)
+    config = train.parse_args(cluster)
+    assert config.layout(64).sizes == (best.pp, 1, best.dp, 1, best.tp)  # pp, rep, shard, cp, tp
+    assert (config.micro_batch, config.grad_accum) == (best.micro_batch, best.accumulation)
+    assert (config.layers, config.width, config.heads) == (80, 8192, 64)
+    tiny = train.parse_args(laptop)
+    assert tiny.layout(8).sizes == (2, 1, 2, 1, 2)  # TP 2 x PP 2 x DP 2 (sharded)
+    assert planner_cli.refusal(laptop, 8) is None
+    assert "multiply to the number of ranks, 4" in planner_cli.refusal(laptop, 4)
+
+
+def test_zero_0_replicates_and_interleaving_asks_for_its_schedule(example):
+    best = example.best[0]
+    replicated = dataclasses.replace(best, zero_stage=0, virtual_stages=2)
+    flags = planner_cli.train_flags(replicated, example.request.model, 1e15)
+    assert flags[flags.index("--dp-replicate") + 1] == str(best.dp)
+    assert "--dp-shard" not in flags
+    assert flags[flags.index("--pp-schedule") + 1 :][:3] == ["interleaved", "--virtual-stages", "2"]
+
+
+def test_nothing_fits_says_so_with_status_1(capsys):
+    assert planner_cli.main(["--model", "70b", "--nodes", "1", "--gpus-per-node", "1"]) == 1
+    assert "no layout fits" in capsys.readouterr().out
+
+
+def test_list_models(capsys):
+    assert planner_cli.main(["--list-models"]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert listed[0].split()[0] == "70b"
+    assert len(listed) == len(published_runs()) + 1
+
+
+@pytest.mark.slow  # a second Python
+def test_python_m_trainscale_planner_runs_the_command_line():
+    done = subprocess.run(
+        [sys.executable, "-m", "trainscale.planner", "--list-models"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("70b ")
+
+
+def test_an_interleaved_layout_keeps_its_schedule_on_the_laptop(example):
+    interleaved = dataclasses.replace(example.best[0], virtual_stages=2)
+    flags = planner_cli.laptop_flags(interleaved, 8, peak_flops=1e11)
+    after = flags[flags.index("--pp-schedule") + 1 :]
+    assert after[:3] == ["interleaved", "--virtual-stages", "2"]
+    assert flags[flags.index("--layers") + 1] == "4"  # one layer per stage and chunk: 2 x 2
+    assert flags[flags.index("--grad-accum") + 1] == "4"  # a multiple of PP 2
+    assert flags[-2:] == ["--peak-flops", "1e+11"]
+    if "--tp" in train.parser().format_help():
+        assert planner_cli.refusal(flags, 8) is None
+    with pytest.raises(ValueError, match="peak_flops"):
+        planner_cli.laptop_flags(interleaved, 8, peak_flops=0)
+
+
+def test_a_model_unlike_the_capstones_gpt_block_gets_a_note():
+    llama = planner_cli.presets()["llama-3-405b-on-16384-h100s-8k-tokens"].model
+    (note, _) = planner_cli._shape_note(llama)
+    assert "not this model's 8 key-value heads and a gated MLP of width 53,248" in note
+    assert planner_cli._shape_note(planner.EXAMPLE_MODEL) == []
+
+
+def test_a_published_run_is_shown_next_to_the_planners_range_for_it():
+    run = next(r for r in published_runs() if r.name == "GPT 22B on 8 A100s, full recompute")
+    name = planner_cli.preset_name(run.name)
+    request = planner_cli.parse(["--model", name, "--top", "1"])
+    assert request.published == run
+    estimate = planner.estimate_run(run)
+    text = "\n".join(planner_cli.report(request)[0])
+    assert (
+        f"the published layout, TP {run.tp} x PP {run.pp} x DP {run.dp}: estimated MFU"
+        f" {estimate.mfu:.1%} (range {estimate.mfu_low:.1%}-{estimate.mfu_high:.1%}),"
+    ) in text
+    assert f"published {planner.reported_mfu(run):.1%} (6N)" in text
+    assert planner_cli.parse(["--model", name, "--global-batch", "8"]).published is None
+
+
+def test_a_context_parallel_layout_asks_for_ring_attention_and_experts_are_noted(example):
+    best = example.best[0]
+    split = dataclasses.replace(best, cp=2)
+    flags = planner_cli.train_flags(split, example.request.model, 1e15)
+    assert flags[flags.index("--cp") + 1] == "2"
+    assert "--cp" not in planner_cli.train_flags(best, example.request.model, 1e15)
+    moe = dataclasses.replace(
+        example.request.model, params=400e9, experts=8, top_k=2, expert_ffn_hidden=4096
+    )
+    assert "8 experts" in " ".join(planner_cli._shape_note(moe))
