@@ -60,7 +60,7 @@ lint: $(STAMP)
 # Unit and property tests (real gloo jobs included) and the committed-notebook
 # checks, two at a time on two cores.
 unit: $(STAMP)
-	$(BIN)/python -m pytest -n 2 tests
+	$(BIN)/python -m pytest -n 3 tests
 
 # nbval strict: every notebook re-run and each text output (and SVG figure)
 # compared with the stored one. The kernels run with torch's and MKL's vector

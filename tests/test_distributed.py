@@ -252,3 +252,17 @@ def test_two_nodes_survive_losing_one_and_stay_on_loopback(tmp_path):
     straight_weights, two_node_weights = (torch.load(weights[n]) for n in weights)
     assert straight_weights.keys() == two_node_weights.keys()
     assert all(torch.equal(straight_weights[k], two_node_weights[k]) for k in straight_weights)
+
+
+def test_each_node_of_a_multi_node_job_uses_its_own_gpus(monkeypatch):
+    """On 8 nodes of 8 GPUs (WORLD_SIZE 64, LOCAL_WORLD_SIZE 8), local rank 3 of any node
+    takes GPU 3 with NCCL; a node with fewer GPUs than ranks falls back to gloo on the CPU."""
+    from trainscale.distributed import backend_and_device
+
+    monkeypatch.setenv("WORLD_SIZE", "64")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert backend_and_device(3) == ("nccl", torch.device("cuda", 3))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert backend_and_device(3) == ("gloo", torch.device("cpu"))

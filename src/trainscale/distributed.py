@@ -65,18 +65,22 @@ class RankError(RuntimeError):
     """A rank failed: it raised, exited, or did not finish in time."""
 
 
-def backend_and_device(rank: int) -> tuple[str, torch.device]:
-    """The collective backend and device for ``rank``: NCCL on GPU ``rank`` if there
-    is one for every rank, gloo on the CPU otherwise."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if torch.cuda.is_available() and torch.cuda.device_count() >= world:
-        return "nccl", torch.device("cuda", rank)
+def backend_and_device(local_rank: int) -> tuple[str, torch.device]:
+    """The collective backend and device for the rank that is ``local_rank`` on its
+    machine: NCCL on GPU ``local_rank`` if this machine has a GPU for each of its
+    ranks (``LOCAL_WORLD_SIZE``, which torchrun sets; ``WORLD_SIZE`` otherwise),
+    gloo on the CPU otherwise. On 8 nodes of 8 GPUs each machine has 8 ranks and 8
+    GPUs: ranks 8-15 use GPUs 0-7 of the second node."""
+    world = os.environ.get("WORLD_SIZE", "1")
+    on_this_machine = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if torch.cuda.is_available() and torch.cuda.device_count() >= on_this_machine:
+        return "nccl", torch.device("cuda", local_rank)
     return "gloo", torch.device("cpu")
 
 
 def device() -> torch.device:
     """The device this rank computes on (call inside a worker)."""
-    return backend_and_device(dist.get_rank())[1]
+    return backend_and_device(int(os.environ.get("LOCAL_RANK", dist.get_rank())))[1]
 
 
 def _watch_parent(parent: int) -> None:
