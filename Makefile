@@ -58,7 +58,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check src tests notebooks tools
 
 # Unit and property tests (real gloo jobs included) and the committed-notebook
-# checks, two at a time on two cores.
+# checks, three at a time on two cores (many of them wait on other processes).
 unit: $(STAMP)
 	$(BIN)/python -m pytest -n 3 tests
 
