@@ -204,23 +204,12 @@ def _only_loopback(listeners: tuple[tuple[str, int], ...]) -> bool:
     return all(ipaddress.ip_address(ip).is_loopback for ip, _ in listeners)
 
 
-def test_one_node_listens_on_loopback_only():
-    """The job ``run_torchrun`` starts (one node): torchrun's agent hosts no store of
-    its own, rank 0 hosts the ranks' store on 127.0.0.1, gloo listens on lo. (Without
-    ``is_host=false`` the agent's store listens on ``::``, every interface.)"""
-    job = run_nodes("trainscale.train", ["--steps", "2", "--warmup", "1"], 1, 2)
-    assert "finished at step 2" in job.output
-    assert job.processes == 3  # one agent, two ranks
-    assert (LOOPBACK, job.rendezvous_port) in job.listeners  # the launcher's store
-    assert len(job.listeners) >= 4, job.listeners  # and rank 0's store, and gloo's
-    assert _only_loopback(job.listeners), job.listeners
-
-
-# Two "nodes" of four ranks each train the capstone with FSDP over all eight; once the
+# Two "nodes" of two ranks each train the capstone with FSDP over all four; once the
 # checkpoint of step 4 is complete, every process of the second node is SIGKILLed and a
-# new node is started in its place. 27 Python processes import torch (16 of them also the
-# capstone's pipelining and DTensor modules): 65-110 CPU-seconds, 64 s on a shared 2-core
-# machine (up to 3 minutes when it was heavily loaded).
+# new node is started in its place. 11 Python processes import torch (8 of them also the
+# capstone's DTensor and checkpoint modules, ~4.5 CPU-s each). Four ranks per node work
+# the same way (checked: 19 processes, 64 s on a shared 2-core machine); two keep
+# `make test` inside its 10-minute budget.
 TWO_NODE_FLAGS = [
     *("--parallel", "fsdp", "--steps", "12", "--warmup", "2", "--micro-batch", "1"),
     *("--log-every", "4", "--ckpt-every", "4"),
@@ -230,24 +219,24 @@ TWO_NODE_FLAGS = [
 def test_two_nodes_survive_losing_one_and_stay_on_loopback(tmp_path):
     weights = {name: tmp_path / f"{name}.pt" for name in ("straight", "two_nodes")}
     straight = [*TWO_NODE_FLAGS, "--final-weights", str(weights["straight"])]
-    run_ranks(train.worker, 8, straight, timeout=300)
+    run_ranks(train.worker, 4, straight, timeout=300)
     checkpoints = ["--ckpt-dir", str(tmp_path / "ckpt")]
     job = run_nodes(
         "trainscale.train",
         [*TWO_NODE_FLAGS, *checkpoints, "--final-weights", str(weights["two_nodes"])],
         nnodes=2,
-        nproc_per_node=4,
+        nproc_per_node=2,
         max_restarts=1,
         fail_node_after="saved checkpoint step_00000004",
         timeout=300,
     )
     assert job.replaced_nodes == 1
-    assert job.processes == 3 + 16  # agents: two, then the replacement; ranks: 8 + 8
+    assert job.processes == 3 + 8  # agents: two, then the replacement; ranks: 4 + 4
     resumed = re.findall(r"attempt \d+: resumed from step (\d+)", job.output)
     assert len(resumed) == 1 and 4 <= int(resumed[0]) < 12, job.output
     assert "finished at step 12" in job.output
     assert (LOOPBACK, job.rendezvous_port) in job.listeners
-    assert len(job.listeners) > 8, job.listeners  # stores and every rank's gloo listener
+    assert len(job.listeners) > 4, job.listeners  # stores and every rank's gloo listener
     assert _only_loopback(job.listeners), job.listeners
     straight_weights, two_node_weights = (torch.load(weights[n]) for n in weights)
     assert straight_weights.keys() == two_node_weights.keys()

@@ -7,6 +7,7 @@ at the end.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT
+from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 CHAPTER = "01_one_training_step.ipynb"
 RUN_ALL_SECONDS = 240  # the chapter runs in well under a minute on 2 quiet cores
@@ -91,6 +93,12 @@ def test_run_all_then_move_a_slider(browser, lab):
         page.goto(lab, wait_until="domcontentloaded")
         page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
         page.locator(".jp-Notebook").first.click()  # focus the notebook, not the file browser
+        # A fresh environment's first kernel can take a while to start, and a Run All sent
+        # before it is connected may be lost: wait for the toolbar's "idle" first.
+        with contextlib.suppress(PlaywrightTimeout):
+            page.wait_for_selector(
+                '.jp-Notebook-ExecutionIndicator[data-status="idle"]', timeout=60_000
+            )
         page.get_by_role("menuitem", name="Run", exact=True).click()
         page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
         # The quiz is the last cell: its answers appear when the run has finished.
