@@ -225,20 +225,20 @@ def saved_tensors(model: nn.Module) -> Iterator[list[tuple[tuple[int, ...], int,
     does, a storage kept twice is listed once and ``model``'s parameters are left
     out (they are stored anyway).
     """
-    exclude = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
+    exclude = {_local(weight).untyped_storage().data_ptr() for weight in model.parameters()}
     seen: set[int] = set()
     rows: list[tuple[tuple[int, ...], int, str]] = []
 
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        local = _local(tensor)
+    def note(kept: torch.Tensor) -> torch.Tensor:
+        local = _local(kept)
         storage = local.untyped_storage()
         if storage.data_ptr() not in exclude | seen:
             seen.add(storage.data_ptr())
-            layout = repr(tensor.placements[0]) if isinstance(tensor, DTensor) else "plain"
+            layout = repr(kept.placements[0]) if isinstance(kept, DTensor) else "plain"
             rows.append((tuple(local.shape), storage.nbytes(), layout))
-        return tensor
+        return kept  # kept as it is: only its size is noted
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda saved: saved):
+    with torch.autograd.graph.saved_tensors_hooks(pack_hook=note, unpack_hook=lambda kept: kept):
         yield rows
 
 
