@@ -48,18 +48,7 @@ def test_context_and_expert_traffic_appear_in_the_legend_only_when_spent(layouts
         for part in P.TIME_PARTS
         if part not in ("context-parallel traffic", "expert-parallel traffic")
     ]
-    long = P.Model(
-        params=8_030_261_248,
-        layers=32,
-        hidden=4096,
-        heads=32,
-        seq_len=131072,
-        vocab=128256,
-        kv_heads=8,
-        ffn_hidden=14336,
-        gated_mlp=True,
-        dropout=False,
-    )
+    long = P.LONG_CONTEXT_MODEL
     cluster = P.Cluster(nodes=2, **P.H100_NODE)
     split = P.evaluate(long, cluster, 8, 8, 1, 1, 1, "none", context_parallel=2)
     shown = planner_top_layouts([split], cluster.memory_bytes).legends[0].get_texts()

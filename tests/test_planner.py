@@ -738,32 +738,8 @@ def test_zero2_reduce_scatter_hides_under_the_next_micro_batch_too():
 
 # --- Context and expert parallelism (chapters 14 and 15) -------------------------------------
 
-LONG_8B = P.Model(  # Llama 3 8B's shape at 131,072 tokens
-    params=8_030_261_248,
-    layers=32,
-    hidden=4096,
-    heads=32,
-    seq_len=131072,
-    vocab=128256,
-    kv_heads=8,
-    ffn_hidden=14336,
-    gated_mlp=True,
-    dropout=False,
-)
-MIXTRAL = P.Model(  # Mixtral 8x7B's shape: 8 SwiGLU experts of width 14,336, top-2
-    params=46_702_792_704,
-    layers=32,
-    hidden=4096,
-    heads=32,
-    seq_len=4096,
-    vocab=32000,
-    kv_heads=8,
-    ffn_hidden=14336,
-    gated_mlp=True,
-    dropout=False,
-    experts=8,
-    top_k=2,
-)
+LONG_8B = P.LONG_CONTEXT_MODEL  # Llama 3 8B's shape at 131,072 tokens
+MIXTRAL = P.MOE_MODEL  # Mixtral 8x7B's shape: 8 SwiGLU experts of width 14,336, top-2
 TWO_NODES = P.Cluster(nodes=2, **P.H100_NODE)
 
 

@@ -259,10 +259,10 @@ def test_zero_bubble_timelines_from_rank_results():
         [("forward", 0, 1, 2, 0), ("input", 0, 2, 3, 0), ("weight", 0, 3, 4, 0)],
     ]
     per_rank = [{"schedule": "zb-h1", "micro_batches": 1, "chunks": 1, "steps": [s]} for s in steps]
-    (only,) = wp.zero_bubble_timelines(per_rank)
+    (only,) = wp.timelines(per_rank)
     assert only == simulate("zb-h1", 2, 1)
     with pytest.raises(ValueError, match="per_rank"):
-        wp.zero_bubble_timelines([])
+        wp.timelines([])
 
 
 @pytest.mark.slow  # two real gloo ranks

@@ -179,8 +179,10 @@ __all__ = [  # this module's public names, and those it re-exports for chapter 1
     "H100_NODE",
     "INTERLEAVING",
     "KERNEL_EFFICIENCY",
+    "LONG_CONTEXT_MODEL",
     "MAX_BUBBLE",
     "MEMORY_PARTS",
+    "MOE_MODEL",
     "NO_DROPOUT_SOURCES",
     "OVERLAP",
     "RECOMPUTE",
@@ -1534,6 +1536,41 @@ EXAMPLE_MODEL = Model(params=70e9, layers=80, hidden=8192, heads=64, seq_len=409
 """The book's 70B worked example: 80 layers, hidden size 8,192, 64 heads,
 sequences of 4,096 tokens, a 32,000-token vocabulary (Llama 2 70B's shape,
 with plain multi-head attention assumed)."""
+
+LONG_CONTEXT_MODEL = Model(
+    params=8_030_261_248,
+    layers=32,
+    hidden=4096,
+    heads=32,
+    seq_len=131_072,
+    vocab=128_256,
+    kv_heads=8,
+    ffn_hidden=14_336,
+    gated_mlp=True,
+    dropout=False,
+)
+"""Llama 3 8B's shape (Meta's model card and the paper's Table 3, arXiv 2407.21783:
+8.03B parameters, 32 layers, width 4,096, 32 heads and 8 key-value heads, SwiGLU of
+width 14,336, a 128,256-token vocabulary, no dropout) at 131,072 tokens per sequence:
+the example where context parallelism pays (chapters 13 and 14)."""
+
+MOE_MODEL = Model(
+    params=46_702_792_704,
+    layers=32,
+    hidden=4096,
+    heads=32,
+    seq_len=4096,
+    vocab=32_000,
+    kv_heads=8,
+    ffn_hidden=14_336,
+    gated_mlp=True,
+    dropout=False,
+    experts=8,
+    top_k=2,
+)
+"""Mixtral 8x7B's shape (Jiang et al. 2024, arXiv 2401.04088; bib key jiang2024mixtral):
+8 SwiGLU experts of width 14,336 per layer, 2 chosen per token, 46.7B parameters of
+which 12.9B are active: the example where expert parallelism pays (chapters 13 and 15)."""
 
 
 def node_settings(gpu: str, inter_node_bandwidth: float) -> dict[str, float]:

@@ -523,7 +523,8 @@ def _numbered(events: list[tuple[str, float, float]], t0: float) -> list[tuple]:
 
 def timelines(per_rank: Sequence[dict]) -> list[Timeline]:
     """The measured :class:`~trainscale.pipeline.Timeline` of each timed step of one
-    configuration, from each rank's result dict for it (in rank order)."""
+    configuration (of :func:`worker` or :func:`zero_bubble_worker`), from each rank's
+    result dict for it (in rank order)."""
     if not per_rank:
         raise ValueError("per_rank must hold one result per rank, got none")
     first = per_rank[0]
@@ -533,24 +534,7 @@ def timelines(per_rank: Sequence[dict]) -> list[Timeline]:
             len(per_rank),
             first["micro_batches"],
             tuple(tuple(Op(*op) for op in result["steps"][step]) for result in per_rank),
-        )
-        for step in range(len(first["steps"]))
-    ]
-
-
-def zero_bubble_timelines(per_rank: Sequence[dict]) -> list[Timeline]:
-    """The measured :class:`~trainscale.pipeline.Timeline` of each timed step of one
-    schedule run by :func:`zero_bubble_worker`, from each rank's dict for it."""
-    if not per_rank:
-        raise ValueError("per_rank must hold one result per rank, got none")
-    first = per_rank[0]
-    return [
-        Timeline(
-            first["schedule"],
-            len(per_rank),
-            first["micro_batches"],
-            tuple(tuple(Op(*op) for op in result["steps"][step]) for result in per_rank),
-            first["chunks"],
+            first.get("chunks", 1),  # model chunks per rank: 2 in a V schedule
         )
         for step in range(len(first["steps"]))
     ]
