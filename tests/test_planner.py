@@ -398,6 +398,7 @@ def test_nodes_come_from_the_gpu_table():
         "inter_node_bandwidth": 50e9,
         "memory_bandwidth": 3.35e12,  # HBM3, H100 SXM datasheet
         "multiprocessors": 132,
+        "max_matmul_share": 794.5 / 989,  # the fastest bf16 GEMM measured on it
     }
     assert P.A100_NODE["peak_flops"] == 312e12 and P.A100_NODE["inter_node_bandwidth"] == 25e9
     assert P.A100_NODE["memory_bytes"] == 80 * 2**30  # 81,920 MiB: exactly 80 GiB
@@ -461,19 +462,41 @@ def test_estimates_for_published_runs_use_their_shape(name):
     assert estimate.times is layout.times and estimate.memory_bytes == layout.memory_bytes
 
 
+def test_tile_overhead_by_hand():
+    # Pipeline fill: (3 stages - 1) x 64 = 128 of k. Epilogue: 0.5 x 1e15 FLOP/s over
+    # 2.5e12 B/s = 200 FLOPs per byte, so 200 more of k: 328 in all.
+    assert P.tile_overhead_k(0.5, 1e15, 2.5e12) == pytest.approx(128 + 200)
+    # An A100 (312e12, 2.039e12 B/s) at 0.72 of peak: 128 + 110 = 238.
+    assert P.tile_overhead_k(0.72, 312e12, 2.039e12) == pytest.approx(128 + 0.72 * 312 / 2.039)
+    with pytest.raises(ValueError, match="bandwidth"):
+        P.tile_overhead_k(0.5, 1e15, 0)
+
+
 def test_gemm_roofline_and_waves_by_hand():
     # 8192 x 8192 x 8192 on 128 SMs: 32 x 64 = 2,048 tiles of 256 x 128 = 16 full waves,
-    # 2 x 8192^3 = 1.1e12 FLOPs at 0.5 x 1e15 = 2.2 ms; its 3 x 2 x 8192^2 = 403 MB at
-    # 3.35e12 B/s take 0.12 ms: compute bound, no wave wasted.
+    # 2 x 8192^3 = 1.1e12 FLOPs at 0.5 x 1e15 = 2.2 ms, and each tile's fixed cost (328
+    # of k at 1e15 FLOP/s and 3.35e12 B/s: 128 + 149.3) on top; its 3 x 2 x 8192^2 =
+    # 403 MB at 3.35e12 B/s take 0.12 ms: compute bound, no wave wasted.
+    k0 = 128 + 0.5e15 / 3.35e12
     full = P.gemm_seconds(8192, 8192, 8192, 1e15, 3.35e12, 0.5, multiprocessors=128)
-    assert full == pytest.approx(2 * 8192**3 / 0.5e15)
+    assert full == pytest.approx(2 * 8192**2 * (8192 + k0) / 0.5e15)
+    hidden = P.gemm_seconds(8192, 8192, 8192, 1e15, 3.35e12, 0.5, 1, 128, tile_overhead=0)
+    assert hidden == pytest.approx(2 * 8192**3 / 0.5e15)
     # 132 SMs: 2,048 tiles take 16 waves (15.5 rounded up), as long as 16 x 132 tiles.
     waves = P.gemm_seconds(8192, 8192, 8192, 1e15, 3.35e12, 0.5, multiprocessors=132)
-    assert waves == pytest.approx(16 * 132 * 2 * 256 * 128 * 8192 / 0.5e15)
-    # Q K^T of one head, s = 8192, d = 128: 17.2 GFLOPs take 34 us at 0.5 PFLOP/s, but
-    # its 2 (2 x 8192 x 128 + 8192^2) = 138 MB take 41 us: memory bound.
+    assert waves == pytest.approx(16 * 132 * 2 * 256 * 128 * (8192 + k0) / 0.5e15)
+    # A short k costs more per FLOP: k = 1024 pays the same fixed cost on 1/8 the work.
+    short = P.gemm_seconds(8192, 1024, 8192, 1e15, 3.35e12, 0.5, multiprocessors=128)
+    assert short / (full / 8) == pytest.approx((1024 + k0) / 1024 * 8192 / (8192 + k0))
+    # Q K^T of one head, s = 8192, d = 128: 17.2 GFLOPs take 34 us at 0.5 PFLOP/s (94 us
+    # with each tile's fixed cost), and its 2 (2 x 8192 x 128 + 8192^2) = 138 MB 41 us:
+    # the tiles' fixed cost makes it compute bound.
     qk = P.gemm_seconds(8192, 128, 8192, 1e15, 3.35e12, 0.5, multiprocessors=128)
-    assert qk == pytest.approx(2 * (2 * 8192 * 128 + 8192**2) / 3.35e12)
+    assert qk == pytest.approx(2 * 8192**2 * (128 + k0) / 0.5e15)
+    flat = P.gemm_seconds(8192, 128, 8192, 1e15, 3.35e12, 0.5, 1, 128, tile_overhead=0)
+    assert flat == pytest.approx(2 * (2 * 8192 * 128 + 8192**2) / 3.35e12)
+    with pytest.raises(ValueError, match="tile_overhead"):
+        P.gemm_seconds(1, 1, 1, 1e15, 1e12, 0.5, tile_overhead=-1)
     with pytest.raises(ValueError, match="share"):
         P.gemm_seconds(1, 1, 1, 1e15, 1e12, 1.5)
     with pytest.raises(ValueError, match="multiprocessors"):
@@ -527,11 +550,100 @@ def test_calibration_against_published_runs(capsys):
         print("\n" + table)
         print({key: round(value, 3) for key, value in summary.items()})
     assert len(P.published_runs()) == 34
-    assert summary["median error"] <= 0.075  # target 0.10: met (0.0746 today)
-    assert summary["top 5"] == 1.0  # target 0.70: met
-    assert summary["coverage"] >= 30 / 34  # target 0.90: not met (see chapter 13)
-    assert summary["within 1.35"] >= 25 / 34  # target 1.0: not met (see chapter 13)
+    assert summary["median error"] <= 0.05  # target 0.10: met (0.049 today)
+    assert summary["top 5"] >= 32 / 34  # target 0.70: met
+    assert summary["coverage"] >= 31 / 34  # target 0.90: met (31 of 34)
+    assert summary["within 1.35"] >= 28 / 34  # target 1.0: see the next test
     assert summary["fits"] == 1.0  # target met
+
+
+def test_every_range_over_1_35_is_an_overlap_no_source_documents():
+    """The six rows whose range exceeds 1.35 (ZeRO-3 under DeepSpeed, Llama 3) are those
+    whose software's overlap of communication with compute is not published: with the
+    overlap pinned at any value their range is within 1.35, so the width is that
+    unknown, not the rest of the model."""
+    wide = []
+    for run in P.published_runs():
+        e = P.estimate_run(run)
+        if e.mfu_high / e.mfu_low > 1.35:
+            wide.append(run.name)
+            assert P._documented_overlap(run) == (None, None)
+            for overlap in (0.0, 0.5, 1.0):
+                pinned = P.estimate_run(run, overlap=overlap)
+                assert pinned.mfu_high / pinned.mfu_low <= 1.35, (run.name, overlap)
+    assert len(wide) == 6 and all("ZeRO-3" in name or "Llama" in name for name in wide)
+
+
+def test_gemm_share_is_read_off_table_4_at_each_tile_overhead():
+    for overhead in (0.0, 1.0, 2.0):
+        share = P.gemm_share(overhead)
+        measured = P.TABLE4_SECONDS
+        low, point, high = (P.table4_seconds(share[b], overhead) for b in ("low", "point", "high"))
+        assert low["forward"] == pytest.approx(measured["forward"], rel=1e-3)
+        assert sum(point.values()) == pytest.approx(sum(measured.values()), rel=1e-3)
+        assert high["backward"] == pytest.approx(measured["backward"], rel=1e-3)
+        assert share["low"] < share["point"] < share["high"]
+    # The tile overhead's upper end: at 2x the main loop stays below the fastest GEMM
+    # measured on an A100; at 3x it would have to beat it.
+    fastest = P.GPUS[P.TABLE4_GPU].max_matmul_share
+    assert P.gemm_share(2.0)["high"] < fastest < P.gemm_share(3.0)["point"]
+    assert P.gemm_share(1.0) == P.GEMM_SHARE
+    with pytest.raises(ValueError, match="overhead"):
+        P.gemm_share(-1.0)
+    with pytest.raises(ValueError, match="overhead"):
+        P.table4_seconds(0.7, overhead=-1.0)
+    with pytest.raises(ValueError, match="share"):
+        P.table4_seconds(1.5)
+
+
+def test_the_share_moves_to_another_gpu_by_its_fastest_measured_gemm():
+    h100 = P.Cluster(nodes=1, **P.H100_NODE)
+    a100 = P.Cluster(nodes=1, **P.A100_NODE)
+    ratio = P.GPUS["H100-80GB"].max_matmul_share / P.GPUS["A100-80GB"].max_matmul_share
+    assert P._gemm_share_on(h100, "point", 1.0) == pytest.approx(P.GEMM_SHARE["point"] * ratio)
+    assert P._gemm_share_on(a100, "point", 1.0) == P.GEMM_SHARE["point"]
+    unmeasured = P.Cluster(nodes=1, **P.node_settings("RTX 4090", 32e9))
+    assert unmeasured.max_matmul_share is None
+    assert P._gemm_share_on(unmeasured, "high", 1.0) == P.GEMM_SHARE["high"]
+    with pytest.raises(ValueError, match="max_matmul_share"):
+        P.Cluster(nodes=1, **{**P.H100_NODE, "max_matmul_share": 1.5})
+
+
+def test_documented_overlap_follows_the_runs_software():
+    runs = {run.name: run for run in P.published_runs()}
+    # Megatron-LM of April 2021: gradients all-reduced after the backward, synchronous TP.
+    assert P._documented_overlap(runs["GPT 1.7B on 32 A100s"]) == (0.0, 0.0)
+    # Megatron-LM of May 2022: the same all-reduce, and the async TP all-reduce.
+    assert P._documented_overlap(runs["GPT 22B on 8 A100s, full recompute"]) == (0.0, 1.0)
+    # Narayanan et al.'s ZeRO-3 rows ran DeepSpeed's data parallelism: not documented.
+    assert P._documented_overlap(runs["GPT 174.6B on 384 A100s, ZeRO-3"]) == (None, None)
+    assert P._documented_overlap(runs["BLOOM 176B on 384 A100s"]) == (None, None)
+
+
+def test_the_optimiser_step_by_hand():
+    # ZeRO-1 over DP 8: each GPU updates 1/8 of the stage's parameters. Adam reads and
+    # writes their 12 bytes of fp32 state and reads a 2-byte gradient, writes a 2-byte
+    # weight: 28 bytes per parameter it owns, at the memory bandwidth.
+    lay = P.evaluate(M70, H100, 1024, 8, 1, 8, 1, "full")
+    owned = lay.memory_parts["optimiser state"] / 12
+    assert lay.times["optimiser step"] == pytest.approx(owned * 28 / H100.memory_bandwidth)
+    zero0 = P.evaluate(M70, H100, 1024, 8, 1, 8, 0, "full")
+    assert zero0.times["optimiser step"] == pytest.approx(8 * lay.times["optimiser step"], rel=1e-6)
+    simple = P.evaluate(M70, H100, 1024, 8, 1, 8, 1, "full", efficiency=P.KERNEL_EFFICIENCY)
+    assert simple.times["optimiser step"] == 0.0
+
+
+def test_mfu_range_brackets_the_central_estimate():
+    lay = P.evaluate(M70, H100, 1024, 8, 1, 8, 1, "selective")
+    low, high = P.mfu_range(M70, H100, lay)
+    assert low < lay.mfu < high
+    invalid = P.evaluate(M70, H100, 1000, 8, 1, 8, 1, "selective", micro_batch=3)
+    with pytest.raises(ValueError, match="layout"):
+        P.mfu_range(M70, H100, invalid)
+    with pytest.raises(ValueError, match="layout"):
+        P.mfu_range(M70, H100, "TP 8")
+    with pytest.raises(ValueError, match="overlap"):
+        P.estimate_run(P.published_runs()[0], overlap=1.5)
 
 
 # --- Bad arguments ---------------------------------------------------------------------------
@@ -855,10 +967,12 @@ def test_expert_and_tensor_parallelism_need_sequence_parallelism():
 
 def test_a_fused_causal_kernel_computes_half_the_scores_and_cp_splits_them():
     # FlashAttention skips the key blocks past the diagonal (context.CAUSAL_WORK_SHARE):
-    # per (sequence, head) pair 2 products x 2 s^2 d FLOPs x 1/2, at 0.64 x 989e12 FLOP/s.
-    # Llama 3 8B's shape at 131,072 tokens, TP 8: 32 / 8 = 4 heads of 128 per GPU.
+    # per (sequence, head) pair 2 products x 2 s^2 d FLOPs x 1/2, at the central GEMM
+    # share of 989e12 FLOP/s. Llama 3 8B's shape at 131,072 tokens, TP 8: 32 / 8 = 4
+    # heads of 128 per GPU.
     _, scores = P._layer_forward(LONG_8B, TWO_NODES, 8, 1, True, "point")
-    hand = 4 * 2 * 2 * 131072**2 * 128 * 0.5 / (0.64 * 989e12)
+    share = P.GEMM_SHARE["point"] * (794.5 / 989) / (271.2 / 312)  # A100's, moved to an H100
+    hand = 4 * 2 * 2 * 131072**2 * 128 * 0.5 / (share * 989e12)
     assert scores == pytest.approx(hand, rel=1e-12)
     _, split = P._layer_forward(LONG_8B, TWO_NODES, 8, 1, True, "point", 4)
     assert split == pytest.approx(hand / 4, rel=1e-12)

@@ -133,6 +133,8 @@ def test_the_report_lists_the_planners_best_shapes_and_commands(example):
     for place, layout in enumerate(example.best, start=1):
         shape = f"TP {layout.tp} x PP {layout.pp} x DP {layout.dp}"
         assert f"{place:>3}  {shape} " in example.text
+        low, high = planner.mfu_range(example.request.model, example.request.cluster, layout)
+        assert f"{layout.mfu:.1%} ({low:.1%}-{high:.1%})" in example.text
     assert f"{len(example.layouts):,} layouts tried" in example.text
     cluster, laptop = _commands(example.text)
     assert cluster.startswith("torchrun --nnodes=8 --nproc-per-node=8 --rdzv-backend=c10d")

@@ -39,19 +39,29 @@ Step time (:func:`evaluate` lists every term), two models
 
     * every GEMM of a layer at its roofline (:func:`gemm_seconds`: Williams et al.
       2009's roofline, with the wave quantisation of NVIDIA's "Matrix Multiplication
-      Background" user's guide), shaped by the model: grouped-query attention
-      (``kv_heads``), the MLP width and gating (``ffn_hidden``, ``gated_mlp``),
-      attention's ``s x s`` products (fused or not, ``fused_attention``: Dao et al.
-      2022; a fused kernel computes only the key blocks the causal mask leaves,
-      :data:`trainscale.context.CAUSAL_WORK_SHARE` of them, as FlashAttention's causal
-      kernels stop at the diagonal block, ``n_block_max`` in Dao-AILab/flash-attention's
-      ``flash_fwd_kernel.h``; an unfused one computes the whole table and masks it), and
-      the output layer's GEMM on the last stage; compute-bound GEMMs run
-      at :data:`GEMM_SHARE` of peak, read off Korthikanti et al.'s Table 4;
+      Background" user's guide, and each tile's fixed cost, :func:`tile_overhead_k`:
+      filling its pipeline and writing its output, CUTLASS's Ampere tile, so a GEMM
+      whose reduction ``k`` is short runs slower per FLOP), shaped by the model:
+      grouped-query attention (``kv_heads``), the MLP width and gating (``ffn_hidden``,
+      ``gated_mlp``), attention's ``s x s`` products (fused or not, ``fused_attention``:
+      Dao et al. 2022; a fused kernel computes only the key blocks the causal mask
+      leaves, :data:`trainscale.context.CAUSAL_WORK_SHARE` of them, as FlashAttention's
+      causal kernels stop at the diagonal block, ``n_block_max`` in
+      Dao-AILab/flash-attention's ``flash_fwd_kernel.h``; an unfused one computes the
+      whole table and masks it), and the output layer's GEMM on the last stage; the main
+      loop of a compute-bound GEMM runs at :data:`GEMM_SHARE` of peak, read off one
+      measurement, Korthikanti et al.'s Table 4 (:func:`gemm_share`), and moved to other
+      GPUs by the ratio of their fastest measured GEMMs
+      (:attr:`Cluster.max_matmul_share`);
     * element-wise kernels at the memory bandwidth: :data:`ELEMENTWISE_TRAFFIC` x
       the bytes a layer keeps (Korthikanti et al.'s count, chapter 09);
     * overlap achieved (:data:`OVERLAP`): the share of the data-parallel traffic, and
-      of the backward's tensor-parallel collectives, that hides under compute;
+      of the backward's tensor-parallel collectives, that hides under compute (for a
+      published run whose software's code shows it, that share:
+      :data:`DOCUMENTED_OVERLAP`);
+    * the optimiser step, memory bound: Adam reads and writes the fp32 master weights
+      and moments of the parameters a GPU updates, reads their gradients and writes
+      their 16-bit weights;
     * ZeRO-3 gathered layer by layer with prefetching (:func:`_zero3_prefetch`: per
       layer only ``max(0, traffic - compute)`` is exposed, plus the first gather and the
       last reduce-scatter), which the :data:`OVERLAP` band blends with no overlap at all;
@@ -74,9 +84,13 @@ Step time (:func:`evaluate` lists every term), two models
       (:data:`INTERLEAVING`), with its bubble and its extra activation memory.
 
     Then ``MFU = 6 N x tokens per step / (step time x GPUs x peak)`` (chapter 12).
-    The calibrated model's range comes from the bands of :data:`GEMM_SHARE`,
-    :data:`ELEMENTWISE_TRAFFIC` and :data:`OVERLAP`, and from the fields a run does
-    not publish (searched); chapter 13 prints it against every published run of
+    The calibrated model's range (:func:`estimate_run`, :func:`mfu_range`) comes from
+    what it admits it does not know: the GEMM share (the two halves of Table 4 read
+    apart, :func:`gemm_share`) and how far that share carries to GEMMs of other shapes
+    (the tiles' fixed cost between none and twice our count, :data:`TILE_OVERHEAD_RANGE`:
+    nil at Table 4's shape, wider away from it), :data:`ELEMENTWISE_TRAFFIC`, and
+    :data:`OVERLAP` where no source documents it; the fields a run does not publish are
+    searched. Chapter 13 prints it against every published run of
     :func:`trainscale.published.published_runs`.
 
 Placement follows Megatron-LM's rank order: TP ranks are neighbours (inside a
@@ -116,11 +130,10 @@ one batched GEMM (:func:`_layer_forward`), and MFU counts the active parameters
 (:attr:`Model.active_params`). Both dimensions are searched for every layout by
 :func:`plan` (:func:`expert_parallel_degrees`).
 
-What the model leaves out: the optimiser step itself, data loading and kernel
-launches, latency outside ZeRO-3, uneven expert loads (routing is taken as even),
-and memory the estimate
-does not list (CUDA context, NCCL buffers, fragmentation, the transient buffers of
-recomputation), for which only :data:`USABLE_MEMORY` of each GPU is counted as
+What the model leaves out: data loading and kernel launches, latency outside ZeRO-3,
+uneven expert loads (routing is taken as even), and memory the estimate does not list
+(CUDA context, NCCL buffers, fragmentation, the transient buffers of recomputation), for
+which only :data:`USABLE_MEMORY` of each GPU is counted as
 available.
 
 Allocator headroom stays that one share, an assumption, not an explicit term: we
@@ -135,6 +148,7 @@ planner puts near :data:`USABLE_MEMORY` of the GPU is one to check on the GPU.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections import Counter
@@ -159,7 +173,15 @@ from trainscale.context import (
     ring_bytes_per_rank,
 )
 from trainscale.experts import ALL_TO_ALLS_PER_LAYER, all_to_all_bytes_per_rank
-from trainscale.memory import GIB, STATE_GROUPS, USABLE_MEMORY, StateDtypes, model_state_groups
+from trainscale.memory import (
+    BYTES_PER_PARAM,
+    GIB,
+    OPTIMIZER_STATE,
+    STATE_GROUPS,
+    USABLE_MEMORY,
+    StateDtypes,
+    model_state_groups,
+)
 from trainscale.pipeline import bubble, bubble_zb_h1
 from trainscale.published import GPUS, PublishedRun, published_runs
 from trainscale.sharding import ZERO_COLLECTIVES, zero_collective_bytes
@@ -168,6 +190,7 @@ __all__ = [  # this module's public names, and those it re-exports for chapter 1
     "A100_NODE",
     "ACTIVATION_PARTS",
     "COLLECTIVE_STEP_SECONDS",
+    "DOCUMENTED_OVERLAP",
     "ELEMENTWISE_TRAFFIC",
     "EXAMPLE_CLUSTER",
     "EXAMPLE_GLOBAL_BATCH",
@@ -185,9 +208,15 @@ __all__ = [  # this module's public names, and those it re-exports for chapter 1
     "MOE_MODEL",
     "NO_DROPOUT_SOURCES",
     "OVERLAP",
+    "PIPELINE_STAGES",
     "RECOMPUTE",
     "SCHEDULES",
+    "TABLE4_GPU",
+    "TABLE4_RUN",
+    "TABLE4_SECONDS",
     "TILE",
+    "TILE_K",
+    "TILE_OVERHEAD_RANGE",
     "TIME_PARTS",
     "USABLE_MEMORY",
     "VERDICTS",
@@ -202,7 +231,9 @@ __all__ = [  # this module's public names, and those it re-exports for chapter 1
     "evaluate",
     "expert_parallel_degrees",
     "gemm_seconds",
+    "gemm_share",
     "layer_activation_bytes",
+    "mfu_range",
     "model_state_per_gpu",
     "node_settings",
     "plan",
@@ -212,6 +243,8 @@ __all__ = [  # this module's public names, and those it re-exports for chapter 1
     "reported_mfu",
     "reported_mfu_6n",
     "stage_params",
+    "table4_seconds",
+    "tile_overhead_k",
     "top_layouts",
     "verdict_counts",
 ]
@@ -240,6 +273,7 @@ TIME_PARTS = (
     "expert-parallel traffic",
     "pipeline sends",
     "data-parallel traffic",
+    "optimiser step",
     "pipeline bubble",
 )
 """The terms of :attr:`Layout.times`, which add up to the step time."""
@@ -371,8 +405,10 @@ class Cluster:
     the bandwidths are what one GPU can send per second in one direction, inside
     a node (``intra_node_bandwidth``, e.g. NVLink) and to another node
     (``inter_node_bandwidth``, e.g. its InfiniBand card). ``memory_bandwidth`` is
-    the GPU's HBM bandwidth in bytes/s and ``multiprocessors`` its SMs (defaults: an
-    H100 SXM's 3.35e12 and 132), which the roofline step time needs.
+    the GPU's HBM bandwidth in bytes/s, ``multiprocessors`` its SMs and
+    ``max_matmul_share`` the fastest bf16 GEMM measured on it as a share of its peak
+    (:attr:`trainscale.published.Gpu.max_matmul_share`; ``None``: not measured), which
+    the roofline step time needs (defaults: an H100 SXM's 3.35e12, 132 and 794.5 / 989).
     """
 
     nodes: int
@@ -383,6 +419,7 @@ class Cluster:
     inter_node_bandwidth: float
     memory_bandwidth: float = 3.35e12
     multiprocessors: int = 132
+    max_matmul_share: float | None = 794.5 / 989
 
     def __post_init__(self) -> None:
         for name in ("nodes", "gpus_per_node"):
@@ -392,6 +429,9 @@ class Cluster:
             object.__setattr__(self, name, _checks.positive(name, getattr(self, name)))
         sms = _checks.count("multiprocessors", self.multiprocessors, minimum=1)
         object.__setattr__(self, "multiprocessors", sms)
+        if self.max_matmul_share is not None:
+            share = _checks.positive("max_matmul_share", self.max_matmul_share, maximum=1.0)
+            object.__setattr__(self, "max_matmul_share", share)
 
     @property
     def gpus(self) -> int:
@@ -634,15 +674,35 @@ class _Options:
     band: str = "point"
     schedule: str = "1f1b"
     fp32_gradients: bool = False
+    overlap_data: float | None = None  # documented by the run's software, else the band's
+    overlap_tensor: float | None = None
+    overhead: float = 1.0  # the tiles' fixed cost, x tile_overhead_k (TILE_OVERHEAD_RANGE)
 
 
-GEMM_SHARE = {"low": 0.58, "point": 0.64, "high": 0.70}
-"""Share of peak a bf16 GEMM sustains when it is compute bound (full waves), by band.
-Read off one measurement, not fitted to the runs: Korthikanti et al.'s Table 4 times
-one layer of their 22B model on 8 A100s (micro-batch 4, TP 8): 7.7 ms forward, 11.9 ms
-backward. With this band the model puts that forward at 6.6-8.0 ms (7.3 central:
-GEMMs, element-wise traffic and two tensor-parallel all-reduces) and the backward at
-12.0-14.9 ms. One of the sources of :func:`estimate_run`'s range."""
+TABLE4_SECONDS = {"forward": 7.7e-3, "backward": 11.9e-3}
+"""The one measurement the roofline's GEMM share is read off: Korthikanti et al.
+(arXiv 2205.05198), Table 4, one transformer layer of their 22B model (width 6,144,
+64 heads, 2,048 tokens, micro-batch 4) on 8 A100s with TP 8, without sequence
+parallelism or recomputation: 7.7 ms forward, 11.9 ms backward."""
+
+TABLE4_GPU = "A100-80GB"
+"""The GPU :data:`TABLE4_SECONDS` was measured on (a key of :data:`trainscale.published.GPUS`)."""
+
+TABLE4_RUN = "GPT 22B on 8 A100s, full recompute"
+"""The calibration row (:func:`trainscale.published.published_runs`) whose model and
+GPUs :data:`TABLE4_SECONDS` timed."""
+
+TILE_OVERHEAD_RANGE = (0.0, 2.0)
+"""How much of the tiles' fixed cost (:func:`tile_overhead_k`) a GEMM pays, as multiples
+of our count, at the ends of :func:`estimate_run`'s range (1 in the central estimate).
+0: a second tile resident on the SM, or a persistent kernel, hides all of it. 2: twice
+our count (the first loads' latency is not counted), the most Table 4 allows: at 3x the
+main loop would have to run at more than 90 % of peak, above the 86.9 % the fastest
+measured bf16 GEMM on an A100 reaches (:func:`gemm_share` prints the check). Each end
+reads its own share off Table 4, so the band is nil at Table 4's shape and widens with
+the distance from it: wider GEMMs (long ``k``) gain with a larger overhead, narrower
+ones lose."""
+
 
 ELEMENTWISE_TRAFFIC = {"low": 4.0, "point": 3.0, "high": 2.0}
 """Bytes the element-wise kernels (norms, softmax, dropout, GeLU, residual adds) move
@@ -652,7 +712,8 @@ once forward and read once backward (2); the backward writes a gradient of each 
 reads inputs it did not keep (up to 2 more)."""
 
 OVERLAP = {"low": 0.0, "point": 0.5, "high": 1.0}
-"""Share of the communication that *can* hide under compute that does hide, by band:
+"""Share of the communication that *can* hide under compute that does hide, by band
+(where a run's software documents it, :data:`DOCUMENTED_OVERLAP` replaces the band):
 data-parallel traffic under the backward (and ZeRO-3's gathers under the forward),
 and the backward's tensor-parallel collectives under the weight-gradient GEMMs
 (Korthikanti et al. section 6.2 overlap them; their Table 5 runs do not overlap the
@@ -671,6 +732,38 @@ TILE = (256, 128)
 "Matrix Multiplication Background" user's guide, section 2.3, lists 256 x 128 as the
 most efficient of its typical tiles)."""
 
+TILE_K = 64
+"""Depth of one step of a tile's main loop (the ``k`` slice of A and B it loads at a
+time) and :data:`PIPELINE_STAGES`, the slices in flight: CUTLASS's default tensor-core
+configuration for Ampere, ``DefaultGemmConfiguration<OpClassTensorOp, Sm80, ...>`` in
+``include/cutlass/gemm/device/default_gemm_configuration.h`` (threadblock tile
+128 x 256 x 64, ``kStages = 3``)."""
+
+PIPELINE_STAGES = 3
+"""Main-loop slices a tile keeps in flight (:data:`TILE_K`)."""
+
+
+def tile_overhead_k(share: float, peak_flops: float, bandwidth: float) -> float:
+    """A tile's fixed cost, in steps of its main loop, counted in units of ``k``.
+
+    Before its first multiply a tile waits for its pipeline to fill,
+    ``(PIPELINE_STAGES - 1) x TILE_K`` of ``k`` (CUTLASS's multistage main loop, see
+    :data:`TILE_K`); after its last it writes its ``2 x 256 x 128`` bytes of 16-bit
+    output at its SM's share of the memory bandwidth, which lasts as long as
+    ``share x peak_flops / bandwidth`` more of ``k`` (both take the SM's share, so the
+    ratio is the machine's balance point, FLOPs per byte). So a GEMM whose ``k`` is
+    short (tensor parallelism cuts the output projection's ``k`` to ``h / TP``) runs
+    further below its peak than a wide one: about 238 of ``k`` on an A100 at
+    :data:`GEMM_SHARE`'s central 0.72, 324 on an H100 at the same share moved to it
+    (0.66). A first-order cost: a second tile resident on the same SM, or a persistent
+    kernel, hides part of it; the first loads' latency adds to it
+    (:data:`TILE_OVERHEAD_RANGE`).
+    """
+    rate = _checks.positive("share", share, maximum=1.0) * _checks.positive(
+        "peak_flops", peak_flops
+    )
+    return (PIPELINE_STAGES - 1) * TILE_K + rate / _checks.positive("bandwidth", bandwidth)
+
 
 def gemm_seconds(
     m: float,
@@ -681,6 +774,7 @@ def gemm_seconds(
     share: float,
     batch: float = 1,
     multiprocessors: int = 132,
+    tile_overhead: float = 1.0,
 ) -> float:
     """Time in seconds of ``batch`` bf16 GEMMs ``(m x k) @ (k x n)``, launched as one kernel.
 
@@ -688,12 +782,15 @@ def gemm_seconds(
     ``multiprocessors`` SMs run them in waves; a partly filled last wave takes as long
     as a full one (wave quantisation, section 3.2 of NVIDIA's "Matrix Multiplication
     Background" user's guide). Each wave does ``multiprocessors x 2 x 256 x 128 x k``
-    FLOPs at ``share x peak_flops``. Memory: the 16-bit operands and results,
-    ``2 (m k + k n + m n)`` bytes per GEMM, at ``bandwidth``. The kernel takes the
-    longer of the two (the roofline of Williams et al. 2009). So a GEMM's efficiency
-    is a function of its shape: one with a short side (attention's ``Q K^T`` has the
-    head dimension, 128) has few FLOPs per byte, and one with few tiles wastes most
-    of its last wave.
+    FLOPs at ``share x peak_flops``, and each of its tiles also pays a fixed cost worth
+    ``tile_overhead x`` :func:`tile_overhead_k` more of ``k`` (filling its pipeline,
+    writing its output; ``tile_overhead`` 0 when something hides it). Memory: the 16-bit
+    operands and results, ``2 (m k + k n + m n)`` bytes per GEMM, at ``bandwidth``. The
+    kernel takes the longer of the two (the roofline of Williams et al. 2009). So a
+    GEMM's efficiency is a function of its shape: one with a short side (attention's
+    ``Q K^T`` has the head dimension, 128) has few FLOPs per byte, one with few tiles
+    wastes most of its last wave, and one with a short ``k`` spends a larger share of each
+    tile's time on the tile's fixed cost.
     """
     for name, value in (("m", m), ("k", k), ("n", n), ("batch", batch)):
         _checks.positive(name, value)
@@ -701,15 +798,53 @@ def gemm_seconds(
     bw = _checks.positive("bandwidth", bandwidth)
     rate = peak * _checks.positive("share", share, maximum=1.0)
     sms = _checks.count("multiprocessors", multiprocessors, minimum=1)
+    overhead = _checks.non_negative("tile_overhead", tile_overhead)
     rows, cols = TILE
     tiles = math.ceil(m / rows) * math.ceil(n / cols) * math.ceil(batch)
-    compute = math.ceil(tiles / sms) * sms * 2 * rows * cols * k / rate
+    depth = k + overhead * tile_overhead_k(share, peak, bw)
+    compute = math.ceil(tiles / sms) * sms * 2 * rows * cols * depth / rate
     return max(compute, batch * 2 * (m * k + k * n + m * n) / bw)
 
 
-@functools.lru_cache(maxsize=4096)
 def _layer_forward(
-    model: Model, cluster: Cluster, t: int, b: int, sp: bool, band: str, c: int = 1, ep: int = 1
+    model: Model,
+    cluster: Cluster,
+    t: int,
+    b: int,
+    sp: bool,
+    band: str,
+    c: int = 1,
+    ep: int = 1,
+    overhead: float = 1.0,
+):
+    """:func:`_layer_forward_at` with the ``band`` of :func:`gemm_share` (at the tile
+    ``overhead``) and of :data:`ELEMENTWISE_TRAFFIC`."""
+    share = _gemm_share_on(cluster, band, overhead)
+    traffic = ELEMENTWISE_TRAFFIC[band]
+    return _layer_forward_at(model, cluster, t, b, sp, share, traffic, c, ep, overhead)
+
+
+def _gemm_share_on(cluster: Cluster, band: str, overhead: float) -> float:
+    """:func:`gemm_share`, read off A100s, on the ``cluster``'s GPU: scaled by the ratio
+    of the two GPUs' fastest measured GEMMs (``max_matmul_share``: 0.803 / 0.869 for an
+    H100), as is where the GPU's was not measured."""
+    reference = GPUS[TABLE4_GPU].max_matmul_share
+    scale = 1.0 if cluster.max_matmul_share is None else cluster.max_matmul_share / reference
+    return gemm_share(overhead)[band] * scale
+
+
+@functools.lru_cache(maxsize=8192)
+def _layer_forward_at(
+    model: Model,
+    cluster: Cluster,
+    t: int,
+    b: int,
+    sp: bool,
+    share: float,
+    traffic: float,
+    c: int = 1,
+    ep: int = 1,
+    overhead: float = 1.0,
 ):
     """Forward seconds of one layer on one GPU: ``(all of it, the attention-score part)``.
 
@@ -719,9 +854,10 @@ def _layer_forward(
     and per head ``Q K^T`` and the product with ``V`` (at the compute roof with a
     fused attention kernel, whose scores stay on chip and which skips the key blocks
     the causal mask hides). Plus the element-wise kernels:
-    :data:`ELEMENTWISE_TRAFFIC` x the bytes the layer keeps
+    ``traffic`` (:data:`ELEMENTWISE_TRAFFIC`) x the bytes the layer keeps
     (:func:`trainscale.checkpointing.layer_activation_bytes`, without the ``5 a s^2 b``
     scores when attention is fused) at the memory bandwidth, a third of it forward.
+    ``share`` and ``overhead`` go to :func:`gemm_seconds`.
 
     With context parallelism over ``c`` ranks a GPU holds ``s / c`` tokens and their
     queries meet all ``s`` keys (ring attention, chapter 14). A mixture of experts
@@ -731,13 +867,14 @@ def _layer_forward(
     s, h, a = model.seq_len, model.hidden, model.heads
     d, kv = h // a, model.kv_heads or a
     ffn = model.ffn_hidden or 4 * h
-    peak, bw, share = cluster.peak_flops, cluster.memory_bandwidth, GEMM_SHARE[band]
+    peak, bw = cluster.peak_flops, cluster.memory_bandwidth
     gemm = functools.partial(
         gemm_seconds,
         peak_flops=peak,
         bandwidth=bw,
         share=share,
         multiprocessors=cluster.multiprocessors,
+        tile_overhead=overhead,
     )
     rows = b * s / c
     gates = 2 if model.gated_mlp else 1
@@ -759,12 +896,75 @@ def _layer_forward(
     else:  # Q K^T, then the probabilities times V
         scores = gemm(s, d, s, batch=pairs) + gemm(s, s, d, batch=pairs)
         score_bytes = kept - layer_activation_bytes(s // c, b, h, a, t, sp, "selective", **shape)
-    per_byte = ELEMENTWISE_TRAFFIC[band] / 3 / bw
+    per_byte = traffic / 3 / bw
     return dense + scores + kept * per_byte, scores + score_bytes * per_byte
 
 
+def _tensor_collective_seconds(s: float, b: int, h: int, t: int, link: float) -> float:
+    """One tensor-parallel all-reduce of a layer's ``s x b x h`` 16-bit activations over
+    ``t`` GPUs: ring cost (:func:`trainscale.collectives.ring_factor`) at ``link`` B/s."""
+    return ring_factor(t) * 2 * s * b * h / link
+
+
+def table4_seconds(share: float, overhead: float = 1.0) -> dict[str, float]:
+    """The roofline's time of :data:`TABLE4_SECONDS`'s layer at GEMM ``share``: forward
+    (the layer, :func:`_layer_forward_at`, plus its two synchronous tensor-parallel
+    all-reduces) and backward (twice the layer; the run's software overlapped the
+    backward's two all-reduces with the weight-gradient GEMMs, :data:`DOCUMENTED_OVERLAP`),
+    element-wise traffic at its central :data:`ELEMENTWISE_TRAFFIC`, in seconds."""
+    share = _checks.positive("share", share, maximum=1.0)
+    overhead = _checks.non_negative("overhead", overhead)
+    run = next(r for r in published_runs() if r.name == TABLE4_RUN)
+    model, cluster = published_model(run), published_cluster(run)
+    s, b, h, t = model.seq_len, run.micro_batch, model.hidden, run.tp
+    traffic = ELEMENTWISE_TRAFFIC["point"]
+    layer = _layer_forward_at(model, cluster, t, b, False, share, traffic, 1, 1, overhead)[0]
+    reduce = _tensor_collective_seconds(s, b, h, t, cluster.intra_node_bandwidth)
+    return {"forward": layer + 2 * reduce, "backward": 2 * layer}
+
+
+@functools.cache
+def gemm_share(overhead: float = 1.0) -> dict[str, float]:
+    """The share of peak a compute-bound GEMM's main loop sustains, by band, read off
+    Korthikanti et al.'s Table 4 (:data:`TABLE4_SECONDS`) with the tiles' fixed cost at
+    ``overhead`` x :func:`tile_overhead_k`: ``low``, the share at which the roofline
+    reproduces the measured forward (:func:`table4_seconds`); ``point``, forward plus
+    backward; ``high``, the backward. The two measurements disagree with the model's
+    2:1 split of backward to forward (the measured backward is 1.55 forward), which is
+    this band's width. Not fitted to the published runs; one of the sources of
+    :func:`estimate_run`'s range (with :data:`TILE_OVERHEAD_RANGE`).
+    """
+    scale = _checks.non_negative("overhead", overhead)
+    targets = {
+        "low": lambda share: table4_seconds(share, scale)["forward"] - TABLE4_SECONDS["forward"],
+        "point": lambda share: (
+            sum(table4_seconds(share, scale).values()) - sum(TABLE4_SECONDS.values())
+        ),
+        "high": lambda share: table4_seconds(share, scale)["backward"] - TABLE4_SECONDS["backward"],
+    }
+    shares = {}
+    for band, excess in targets.items():  # time falls as the share rises: bisect
+        low, high = 0.05, 1.0
+        for _ in range(48):
+            middle = (low + high) / 2
+            low, high = (middle, high) if excess(middle) > 0 else (low, middle)
+        shares[band] = round((low + high) / 2, 4)
+    return shares
+
+
 def _roofline(
-    model, cluster, t, b, layers, mode, sp, band, ends_short: int = 0, c: int = 1, ep: int = 1
+    model,
+    cluster,
+    t,
+    b,
+    layers,
+    mode,
+    sp,
+    band,
+    ends_short: int = 0,
+    c: int = 1,
+    ep: int = 1,
+    overhead: float = 1.0,
 ) -> tuple[float, float, float]:
     """Forward, backward and recomputation seconds of one micro-batch on the slowest stage.
 
@@ -779,8 +979,8 @@ def _roofline(
     forward). Full recomputation repeats the forward of the layers, selective the
     score part (nothing more with a fused kernel, whose backward already does).
     """
-    layer, score = _layer_forward(model, cluster, t, b, sp, band, c, ep)
-    rows, share = b * model.seq_len / c, GEMM_SHARE[band]
+    layer, score = _layer_forward(model, cluster, t, b, sp, band, c, ep, overhead)
+    rows, share = b * model.seq_len / c, _gemm_share_on(cluster, band, overhead)
     bw = cluster.memory_bandwidth
     head = gemm_seconds(
         rows,
@@ -791,6 +991,7 @@ def _roofline(
         share,
         1,
         cluster.multiprocessors,
+        overhead,
     )
     head += 4 * rows * model.vocab / t * ELEMENTWISE_TRAFFIC[band] / 3 / bw
     last_layers = layers - (ends_short >= 2)
@@ -820,7 +1021,7 @@ def _options(
         else _checks.positive("efficiency", efficiency, maximum=1.0),
         usable_memory=_checks.positive("usable_memory", usable_memory, maximum=1.0),
         max_bubble=_checks.fraction("max_bubble", max_bubble),
-        band=str(_checks.choice("band", band, tuple(GEMM_SHARE))),
+        band=str(_checks.choice("band", band, tuple(OVERLAP))),
         schedule=str(_checks.choice("schedule", schedule, SCHEDULES)),
         fp32_gradients=_checks.boolean("fp32_gradients", fp32_gradients),
     )
@@ -892,6 +1093,8 @@ def _data_parallel_seconds(
             exposed[every] += last
     return exposed[True], exposed[False]
 
+
+_OPTIMISER_BYTES = sum(BYTES_PER_PARAM[part] for part in OPTIMIZER_STATE)  # 12 per parameter
 
 COLLECTIVE_STEP_SECONDS = 5e-6
 """Latency of one step of a ring collective between nodes, in seconds (an assumption:
@@ -1127,11 +1330,12 @@ def _evaluate(
     # kernel (efficiency=None), or 6N FLOPs at one achievable FLOP rate.
     if opt.efficiency is None:
         short = -(-model.layers // (p * v)) * p * v - model.layers if p > 1 else 0
+        sp, band, overhead = opt.sequence_parallel, opt.band, opt.overhead
         forward, backward, recompute = _roofline(
-            model, cluster, t, b, per_stage, mode, opt.sequence_parallel, opt.band, short, c, ep
+            model, cluster, t, b, per_stage, mode, sp, band, short, c, ep, overhead
         )
         compute = forward + backward
-        attention = _layer_forward(model, cluster, t, b, opt.sequence_parallel, opt.band, c, ep)[1]
+        attention = _layer_forward(model, cluster, t, b, sp, band, c, ep, overhead)[1]
     else:
         rate = cluster.peak_flops * opt.efficiency
         six = sum(FLOPS_PER_PARAM_PER_TOKEN.values())
@@ -1146,14 +1350,16 @@ def _evaluate(
         else:
             recompute = 0.0
     overlap = 1.0 if opt.efficiency is not None else OVERLAP[opt.band]
+    tensor_overlap = overlap if opt.overlap_tensor is None else opt.overlap_tensor
+    data_overlap = overlap if opt.overlap_data is None else opt.overlap_data
 
     # Tensor parallelism: 2 all-reduces forward, 2 backward (and 2 more when the
     # forward is recomputed), of s x b x h 16-bit values, per layer and micro-batch.
     tp_link = inter if tp_across else intra
     collectives = 6 if mode == "full" else 4
-    tensor = per_stage * collectives * ring_factor(t) * 2 * s * b * h / tp_link
+    tensor = per_stage * collectives * _tensor_collective_seconds(s, b, h, t, tp_link)
     if opt.efficiency is None:  # the backward's two hide under weight-gradient GEMMs
-        tensor -= overlap * min(tensor * 2 / collectives, backward / 2)
+        tensor -= tensor_overlap * min(tensor * 2 / collectives, backward / 2)
 
     # Context and expert parallelism: ring attention's keys and values, the MoE
     # all-to-alls. Megatron's rank order TP, CP, DP (EP inside DP), PP.
@@ -1182,13 +1388,24 @@ def _evaluate(
             per_gpu, dp_ranks, zero, dp_link, 0.0, 0.0, grad_bytes
         )
         hidden_each = dp_each + max(0.0, regather - recompute)
-        dp_each = overlap * hidden_each + (1 - overlap) * (all_each + regather) + latency
-        dp_once = overlap * dp_once + (1 - overlap) * all_once
+        shown = 1 - data_overlap
+        dp_each = data_overlap * hidden_each + shown * (all_each + regather) + latency
+        dp_once = data_overlap * dp_once + shown * all_once
         if zero == 3:  # prefetched layer by layer; OVERLAP: how much of the prefetch works
             best = _zero3_prefetch(
                 per_gpu, dp_ranks, mode, per_stage, dp_link, forward, window, grad_bytes
             )
-            dp_each = overlap * best + (1 - overlap) * (all_each + regather) + latency
+            dp_each = data_overlap * best + shown * (all_each + regather) + latency
+
+    # The optimiser step, once per step, memory bound: Adam reads and writes the fp32
+    # master weights and moments of the parameters this GPU updates (all its own
+    # without ZeRO, its shard with it), reads their gradients and writes their 16-bit
+    # weights. The simple model leaves it out.
+    optimiser = 0.0
+    if opt.efficiency is None:
+        owned = state["optimiser state"] / _OPTIMISER_BYTES
+        traffic = 2 * state["optimiser state"] + owned * (grad_bytes + BYTES_PER_PARAM["weights"])
+        optimiser = traffic / cluster.memory_bandwidth
 
     per_micro = compute + recompute + tensor + context + expert + sends + dp_each
     busy = m * per_micro
@@ -1204,6 +1421,7 @@ def _evaluate(
         "expert-parallel traffic": m * expert,
         "pipeline sends": m * sends,
         "data-parallel traffic": m * dp_each + dp_once,
+        "optimiser step": optimiser,
         "pipeline bubble": busy * idle_share / (1 - idle_share),  # idle = busy x b / (1 - b)
     }
     step = sum(times.values())
@@ -1297,7 +1515,9 @@ def evaluate(
     * tensor parallelism: per layer 4 all-reduces of ``2 s b h`` bytes (6 with full
       recomputation), :func:`trainscale.collectives.ring_factor` (``2 (t-1)/t``) of
       them sent per GPU, over NVLink if TP fits in
-      a node and over the network otherwise; not overlapped;
+      a node and over the network otherwise; the calibrated model hides
+      :data:`OVERLAP` of the backward's two under its weight-gradient GEMMs, the
+      simple one none;
     * pipeline sends: the activation forward and its gradient back, ``2 s b h / t``
       bytes each, per model chunk;
     * data-parallel traffic that did not hide under compute, each collective
@@ -1312,7 +1532,9 @@ def evaluate(
       reduce-scatter them after *every* micro-batch (holding the full gradient
       until the last one is what ZeRO-1 does). ZeRO-3 also all-gathers the weights
       before every forward and every backward: with one micro-batch, 1.5 times
-      the traffic of the others.
+      the traffic of the others;
+    * the optimiser step (calibrated model only), once per step at the memory
+      bandwidth.
 
     Then the pipeline idles :func:`trainscale.pipeline.bubble`, ``(p-1)/(v m + p - 1)``,
     of its time (chapter 07): ``(pp - 1) / virtual_stages`` micro-batch slots; with
@@ -1587,6 +1809,7 @@ def node_settings(gpu: str, inter_node_bandwidth: float) -> dict[str, float]:
         "inter_node_bandwidth": _checks.positive("inter_node_bandwidth", inter_node_bandwidth),
         "memory_bandwidth": spec.memory_bandwidth,
         "multiprocessors": spec.multiprocessors,
+        "max_matmul_share": spec.max_matmul_share,
     }
 
 
@@ -1640,6 +1863,33 @@ NO_DROPOUT_SOURCES = ("dubey2024llama3",)
 """Bib keys of the calibration runs whose layers have no dropout: Llama 3's reference
 model (meta-llama/llama3, ``llama/model.py``) has none, so no 1-byte masks are kept.
 Megatron-LM's GPT runs and BLOOM use dropout (Megatron-LM's default, 0.1)."""
+
+
+DOCUMENTED_OVERLAP: dict[str, tuple[float, float]] = {
+    "narayanan2021efficient": (0.0, 0.0),
+    "korthikanti2022reducing": (0.0, 1.0),
+}
+"""What the software of a calibration run hid, where its code shows it: ``(data-parallel
+traffic, the backward's tensor-parallel collectives)``, the share hidden, by bib key, for
+runs that use Megatron-LM's own data parallelism (ZeRO stage 0); the others keep the
+:data:`OVERLAP` band. Megatron-LM as of 9 April 2021 (commit cdde433, Narayanan et
+al.'s code): ``train_step`` all-reduces the gradients (``allreduce_gradients``, the
+default ``--DDP-impl local``) after ``forward_backward_func`` returns, so nothing of it
+hides; the tensor-parallel all-reduces are synchronous. As of 10 May 2022 (commit
+d239429, Korthikanti et al.'s): the same all-reduce after the backward, and
+``async_tensor_model_parallel_allreduce`` (on unless ``--no-async-tensor-model-parallel-allreduce``)
+runs a column-parallel layer's backward all-reduce while its weight-gradient GEMM
+computes. A property of the software, read off its code, not a tuned constant."""
+
+
+def _documented_overlap(run: PublishedRun) -> tuple[float | None, float | None]:
+    """``(data, tensor)`` overlap a run's software documents (:data:`DOCUMENTED_OVERLAP`),
+    ``None`` where it does not."""
+    if run.zero_stage == 0:
+        for key, shares in DOCUMENTED_OVERLAP.items():
+            if _cites(run, (key,)):
+                return shares
+    return None, None
 
 
 def published_model(run: PublishedRun) -> Model:
@@ -1704,8 +1954,10 @@ class RunEstimate:
     """The planner's estimate of a published run, at the run's own TP x PP x DP.
 
     ``mfu`` (6N) and its range ``[mfu_low, mfu_high]``: the fastest setting of the
-    fields the run does not publish, under the pessimistic, central and optimistic
-    ends of :data:`GEMM_SHARE`, :data:`ELEMENTWISE_TRAFFIC` and :data:`OVERLAP`.
+    fields the run does not publish, under the central and the pessimistic and
+    optimistic ends of :func:`gemm_share` (at each tile overhead of
+    :data:`TILE_OVERHEAD_RANGE`), :data:`ELEMENTWISE_TRAFFIC` and :data:`OVERLAP`
+    (or :data:`DOCUMENTED_OVERLAP`).
     ``layout`` is the central estimate (its ``times`` the step's breakdown, in
     seconds), ``memory_bytes`` its memory per GPU, ``fits`` whether that is within
     :data:`trainscale.memory.USABLE_MEMORY` of the GPU, ``rank`` the published
@@ -1749,8 +2001,11 @@ def _best(layouts: Iterable[Layout]) -> Layout | None:
     return min(usable, key=lambda lay: (order.index(lay.verdict), lay.step_seconds), default=None)
 
 
-def _at_shape(run: PublishedRun, band: str) -> Layout | None:
-    """The fastest setting at the run's shape, searched over what it does not publish."""
+def _at_shape(
+    run: PublishedRun, band: str, overhead: float = 1.0, overlap: float | None = None
+) -> Layout | None:
+    """The fastest setting at the run's shape, searched over what it does not publish;
+    ``overlap`` pins the share of communication hidden (else documented, else the band)."""
     model, cluster, c = published_model(run), published_cluster(run), _choices(run)
     cp = run.cp or 1
     candidates = []
@@ -1759,7 +2014,13 @@ def _at_shape(run: PublishedRun, band: str) -> Layout | None:
             continue
         for sp in c["sp"]:
             fp32 = _cites(run, FP32_GRADIENT_SOURCES)
-            opt = _options(sp, v, None, USABLE_MEMORY, 1.0, band, "1f1b", fp32)
+            data, tensor = _documented_overlap(run) if overlap is None else (overlap, overlap)
+            opt = dataclasses.replace(
+                _options(sp, v, None, USABLE_MEMORY, 1.0, band, "1f1b", fp32),
+                overlap_data=data,
+                overlap_tensor=tensor,
+                overhead=overhead,
+            )
             candidates += [
                 _evaluate(
                     model, cluster, run.global_batch, run.tp, run.pp, run.dp, z, r, b, opt, cp
@@ -1794,18 +2055,37 @@ def _rank(run: PublishedRun, point: Layout) -> int | None:
     return shapes.index(shape) + 1 if shape in shapes else None
 
 
-def estimate_run(run: PublishedRun) -> RunEstimate:
+def _range_ends(evaluate_at) -> tuple[Layout, Layout]:
+    """The pessimistic and optimistic layouts among ``evaluate_at(band, overhead)`` for
+    the ``low`` and ``high`` bands at every tile overhead of :data:`TILE_OVERHEAD_RANGE`
+    (and the counted one between them): the one slowest, the other fastest."""
+    ends = (TILE_OVERHEAD_RANGE[0], 1.0, TILE_OVERHEAD_RANGE[1])
+    lows = [evaluate_at("low", overhead) for overhead in ends]
+    highs = [evaluate_at("high", overhead) for overhead in ends]
+    if None in lows or None in highs:
+        raise ValueError("the layout is invalid for the planner")
+    return min(lows, key=lambda lay: lay.mfu), max(highs, key=lambda lay: lay.mfu)
+
+
+def estimate_run(run: PublishedRun, overlap: float | None = None) -> RunEstimate:
     """The planner's estimate of a published run, with its range (see :class:`RunEstimate`).
 
     The run's TP, PP, DP, global batch and GPUs are fixed; each field it leaves
     ``None`` (micro-batch, ZeRO stage, recomputation, sequence parallelism,
-    interleaving depth) is searched, and the fastest setting taken, once for each
-    band of :data:`GEMM_SHARE`, :data:`ELEMENTWISE_TRAFFIC` and :data:`OVERLAP`.
+    interleaving depth) is searched, and the fastest setting taken, once for each end
+    of the range: the ``low`` and ``high`` bands of :func:`gemm_share` (at each tile
+    overhead of :data:`TILE_OVERHEAD_RANGE`), :data:`ELEMENTWISE_TRAFFIC` and
+    :data:`OVERLAP` (or the overlap the run's software documents,
+    :data:`DOCUMENTED_OVERLAP`). ``overlap`` (a share in [0, 1]) pins the share of the
+    data- and tensor-parallel communication that hides instead: what the range would be
+    if a source said it.
     """
     run = _published(run)
-    point, low, high = (_at_shape(run, band) for band in ("point", "low", "high"))
-    if point is None or low is None or high is None:
+    pinned = None if overlap is None else _checks.fraction("overlap", overlap)
+    point = _at_shape(run, "point", 1.0, pinned)
+    if point is None:
         raise ValueError(f"run {run.name!r}: its layout is invalid for the planner")
+    low, high = _range_ends(lambda band, overhead: _at_shape(run, band, overhead, pinned))
     memory_ok = point.memory_bytes <= USABLE_MEMORY * published_cluster(run).memory_bytes
     return RunEstimate(
         run=run,
@@ -1817,6 +2097,63 @@ def estimate_run(run: PublishedRun) -> RunEstimate:
         fits=memory_ok,
         rank=_rank(run, point),
     )
+
+
+def mfu_range(
+    model: Model,
+    cluster: Cluster,
+    layout: Layout,
+    *,
+    schedule: str = "1f1b",
+    fp32_gradients: bool = False,
+) -> tuple[float, float]:
+    """``(low, high)``: the calibrated model's MFU range for one ``layout`` of
+    :func:`plan` or :func:`evaluate` (with the ``schedule`` and ``fp32_gradients`` it was
+    planned with), the same construction :func:`estimate_run` gives a published run:
+    the pessimistic and optimistic bands of :func:`gemm_share` (at each tile overhead of
+    :data:`TILE_OVERHEAD_RANGE`), :data:`ELEMENTWISE_TRAFFIC` and :data:`OVERLAP`."""
+    _check_inputs(model, cluster, 1)
+    if not isinstance(layout, Layout):
+        raise ValueError(f"layout must be a planner.Layout, got {type(layout).__name__}")
+    if layout.verdict == "invalid":
+        raise ValueError(f"layout must be a valid layout, got one that is invalid: {layout.notes}")
+
+    def at(band: str, overhead: float) -> Layout:
+        opt = dataclasses.replace(
+            _options(
+                layout.sequence_parallel,
+                layout.virtual_stages,
+                None,
+                USABLE_MEMORY,
+                1.0,
+                band,
+                schedule,
+                fp32_gradients,
+            ),
+            overhead=overhead,
+        )
+        return _evaluate(
+            model,
+            cluster,
+            layout.global_batch,
+            layout.tp,
+            layout.pp,
+            layout.dp,
+            layout.zero_stage,
+            layout.recompute,
+            layout.micro_batch,
+            opt,
+            layout.cp,
+            layout.ep,
+        )
+
+    low, high = _range_ends(at)
+    return low.mfu, high.mfu
+
+
+GEMM_SHARE = gemm_share(1.0)
+"""The central estimate's GEMM share by band (:func:`gemm_share` at the counted tile
+overhead): about 0.67, 0.72 and 0.74 of peak in the main loop of a compute-bound GEMM."""
 
 
 if __name__ == "__main__":  # python -m trainscale.planner: the command line

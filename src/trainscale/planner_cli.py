@@ -408,12 +408,11 @@ def _lines(launcher: list[str], flags: list[str]) -> str:
 # --------------------------------------------------------------------------- report
 
 
-def _mfu(layout: planner.Layout) -> str:
-    """MFU, with the planner's range where it gives one (``mfu_low``..``mfu_high``)."""
-    low, high = getattr(layout, "mfu_low", None), getattr(layout, "mfu_high", None)
+def _mfu(layout: planner.Layout, mfu_range: tuple[float, float] | None) -> str:
+    """MFU, with the planner's range (:func:`trainscale.planner.mfu_range`) when given."""
     text = f"{layout.mfu:.1%}"
-    if low is not None and high is not None:
-        text += f" ({low:.1%}-{high:.1%})"
+    if mfu_range is not None:
+        text += f" ({mfu_range[0]:.1%}-{mfu_range[1]:.1%})"
     return text
 
 
@@ -432,14 +431,23 @@ def describe(request: Request) -> list[str]:
     ]
 
 
-def layout_table(layouts: Sequence[planner.Layout]) -> list[str]:
-    """One line per layout: shape, settings, MFU (range), step time, memory per GPU."""
-    lines = [f"  #  {'layout':<22} {'settings':<48} {'MFU':<16} {'step':>9} {'memory/GPU':>11}"]
+def layout_table(
+    layouts: Sequence[planner.Layout],
+    ranges: Sequence[tuple[float, float]] | None = None,
+) -> list[str]:
+    """One line per layout: shape, settings, MFU (with its range, one ``(low, high)`` per
+    layout when ``ranges`` is given), step time, memory per GPU."""
+    if ranges is not None and len(ranges) != len(layouts):
+        raise ValueError(f"ranges must give one (low, high) per layout, got {len(ranges)}")
+    lines = [
+        f"  #  {'layout':<22} {'settings':<48} {'MFU (range)':<22} {'step':>9} {'memory/GPU':>11}"
+    ]
     for rank, lay in enumerate(layouts, start=1):
         shape = lay.name.replace("\u00d7", "x")
         v = f", V {lay.virtual_stages}" if lay.virtual_stages > 1 else ""
+        span = None if ranges is None else ranges[rank - 1]
         lines.append(
-            f"{rank:>3}  {shape:<22} {lay.settings + v:<48} {_mfu(lay):<16}"
+            f"{rank:>3}  {shape:<22} {lay.settings + v:<48} {_mfu(lay, span):<22}"
             f" {lay.step_seconds:>7.2f} s {lay.memory_bytes / GIB:>7.1f} GiB"
         )
     return lines
@@ -532,7 +540,8 @@ def report(request: Request) -> tuple[list[str], bool]:
     lines = [*describe(request), f"{len(layouts):,} layouts tried, {counts['fits']:,} fit", ""]
     if not best:
         return [*lines, "no layout fits: add GPUs, or shorten the sequences"], False
-    lines += ["the fastest shapes (planner estimates):", *layout_table(best), ""]
+    ranges = [planner.mfu_range(request.model, request.cluster, lay) for lay in best]
+    lines += ["the fastest shapes (planner estimates):", *layout_table(best, ranges), ""]
     if request.published is not None:
         lines += _published_lines(request.published)
     place, notes = _runnable(best, request)

@@ -30,6 +30,10 @@ class Gpu:
     bytes per second one way per GPU, the GPUs an NVLink node joins, and the memory
     (HBM or GDDR) bandwidth in bytes per second, from the same datasheet, and its
     streaming multiprocessors (SMs), which run a GEMM's tiles in waves.
+    ``max_matmul_share`` is the fastest bf16 GEMM measured on it, as a share of
+    ``peak_flops`` (``None``: not measured): Stas Bekman's "Maximum Achievable Matmul
+    FLOPS" table (stas00/ml-engineering, ``compute/accelerator/README.md``; a search of
+    shapes with ``mamf-finder.py``, mean of 100 runs), the same method for every GPU.
 
     ``memory_bytes`` is the capacity the device reports (``nvidia-smi``'s total,
     in MiB, times 2**20), not the marketing figure: an "80 GB" H100 reports
@@ -42,6 +46,7 @@ class Gpu:
     gpus_per_node: int
     memory_bandwidth: float
     multiprocessors: int
+    max_matmul_share: float | None = None
 
 
 GPUS: dict[str, Gpu] = {
@@ -57,6 +62,7 @@ GPUS: dict[str, Gpu] = {
         gpus_per_node=8,
         memory_bandwidth=2.039e12,  # 2,039 GB/s HBM2e (SXM)
         multiprocessors=108,  # 108 SMs (A100 whitepaper)
+        max_matmul_share=271.2 / 312,  # MAMF 271.2 TFLOP/s (torch 2.6, CUDA 12.6)
     ),
     # NVIDIA H100 Tensor Core GPU datasheet (SXM): 989 TFLOP/s dense BF16 (1,979 with
     # sparsity); NVLink 4, 900 GB/s both directions together, so 450e9 B/s each way;
@@ -70,6 +76,7 @@ GPUS: dict[str, Gpu] = {
         gpus_per_node=8,
         memory_bandwidth=3.35e12,  # 3.35 TB/s HBM3 (SXM)
         multiprocessors=132,  # 132 SMs (H100 SXM5)
+        max_matmul_share=794.5 / 989,  # MAMF 794.5 TFLOP/s (torch 2.7, CUDA 12.6)
     ),
     # NVIDIA H200 Tensor Core GPU datasheet (SXM): 141 GB of HBM3e, the H100's
     # 989 TFLOP/s dense BF16 and NVLink 4 (450e9 B/s each way); 8 per HGX H200 node.
@@ -82,6 +89,7 @@ GPUS: dict[str, Gpu] = {
         gpus_per_node=8,
         memory_bandwidth=4.8e12,  # 4.8 TB/s HBM3e
         multiprocessors=132,  # 132 SMs, the H100's die
+        max_matmul_share=794.5 / 989,  # the table's H100 row: "H200 is the same"
     ),
     # NVIDIA HGX B200 datasheet: 2.25 PFLOP/s dense BF16 per GPU (4.5 with sparsity);
     # NVLink 5, 1.8 TB/s both directions together, so 900e9 B/s each way; 8 per HGX
@@ -95,6 +103,7 @@ GPUS: dict[str, Gpu] = {
         gpus_per_node=8,
         memory_bandwidth=8e12,  # HGX B200 datasheet: 64 TB/s for 8 GPUs (some list 7.7 TB/s)
         multiprocessors=148,  # 148 SMs (two dies of 74)
+        max_matmul_share=1745.0 / 2250,  # MAMF 1,745.0 TFLOP/s (torch 2.7.1, CUDA 12.8)
     ),
     # NVIDIA Ada Lovelace architecture whitepaper (GeForce RTX 4090): 165.2 TFLOP/s
     # dense BF16 tensor with FP32 accumulate (330.4 with sparsity); no NVLink: a PCIe

@@ -135,6 +135,7 @@ TIME_COLOURS = {
     "expert-parallel traffic": PALETTE["purple"],
     "pipeline sends": PALETTE["yellow"],
     "data-parallel traffic": PALETTE["green"],
+    "optimiser step": MUTED_INK,
     "pipeline bubble": PALETTE["grey"],
 }
 """One colour per part of an estimated step time (the planner's ``TIME_PARTS``)."""
