@@ -40,8 +40,8 @@ Step time (:func:`evaluate` lists every term), two models
     * every GEMM of a layer at its roofline (:func:`gemm_seconds`: Williams et al.
       2009's roofline, with the wave quantisation of NVIDIA's "Matrix Multiplication
       Background" user's guide, and each tile's fixed cost, :func:`tile_overhead_k`:
-      filling its pipeline and writing its output, CUTLASS's Ampere tile, so a GEMM
-      whose reduction ``k`` is short runs slower per FLOP), shaped by the model:
+      writing its output, so a GEMM whose reduction ``k`` is short runs slower per
+      FLOP), the backward's gradient GEMMs at their own shapes, shaped by the model:
       grouped-query attention (``kv_heads``), the MLP width and gating (``ffn_hidden``,
       ``gated_mlp``), attention's ``s x s`` products (fused or not, ``fused_attention``:
       Dao et al. 2022; a fused kernel computes only the key blocks the causal mask
@@ -59,9 +59,9 @@ Step time (:func:`evaluate` lists every term), two models
       of the backward's tensor-parallel collectives, that hides under compute (for a
       published run whose software's code shows it, that share:
       :data:`DOCUMENTED_OVERLAP`);
-    * the optimiser step, memory bound: Adam reads and writes the fp32 master weights
-      and moments of the parameters a GPU updates, reads their gradients and writes
-      their 16-bit weights;
+    * the optimiser step, memory bound: :data:`OPTIMISER_STEP_BYTES` for each
+      parameter a GPU updates (Megatron-LM's passes: gradient norm, Adam, the copy to
+      16-bit weights, zeroing the gradients);
     * ZeRO-3 gathered layer by layer with prefetching (:func:`_zero3_prefetch`: per
       layer only ``max(0, traffic - compute)`` is exposed, plus the first gather and the
       last reduce-scatter), which the :data:`OVERLAP` band blends with no overlap at all;
@@ -87,10 +87,10 @@ Step time (:func:`evaluate` lists every term), two models
     The calibrated model's range (:func:`estimate_run`, :func:`mfu_range`) comes from
     what it admits it does not know: the GEMM share (the two halves of Table 4 read
     apart, :func:`gemm_share`) and how far that share carries to GEMMs of other shapes
-    (the tiles' fixed cost between none and twice our count, :data:`TILE_OVERHEAD_RANGE`:
-    nil at Table 4's shape, wider away from it), :data:`ELEMENTWISE_TRAFFIC`, and
-    :data:`OVERLAP` where no source documents it; the fields a run does not publish are
-    searched. Chapter 13 prints it against every published run of
+    (the tiles' fixed cost between none and the most Table 4 can carry,
+    :func:`tile_overhead_range`: narrow at Table 4's shapes, wider away from them),
+    :data:`ELEMENTWISE_TRAFFIC`, and :data:`OVERLAP` where no source documents it; the
+    fields a run does not publish are searched. Chapter 13 prints it against every published run of
     :func:`trainscale.published.published_runs`.
 
 Placement follows Megatron-LM's rank order: TP ranks are neighbours (inside a
@@ -207,16 +207,14 @@ __all__ = [  # this module's public names, and those it re-exports for chapter 1
     "MEMORY_PARTS",
     "MOE_MODEL",
     "NO_DROPOUT_SOURCES",
+    "OPTIMISER_STEP_BYTES",
     "OVERLAP",
-    "PIPELINE_STAGES",
     "RECOMPUTE",
     "SCHEDULES",
     "TABLE4_GPU",
     "TABLE4_RUN",
     "TABLE4_SECONDS",
     "TILE",
-    "TILE_K",
-    "TILE_OVERHEAD_RANGE",
     "TIME_PARTS",
     "USABLE_MEMORY",
     "VERDICTS",
@@ -245,6 +243,7 @@ __all__ = [  # this module's public names, and those it re-exports for chapter 1
     "stage_params",
     "table4_seconds",
     "tile_overhead_k",
+    "tile_overhead_range",
     "top_layouts",
     "verdict_counts",
 ]
@@ -676,7 +675,7 @@ class _Options:
     fp32_gradients: bool = False
     overlap_data: float | None = None  # documented by the run's software, else the band's
     overlap_tensor: float | None = None
-    overhead: float = 1.0  # the tiles' fixed cost, x tile_overhead_k (TILE_OVERHEAD_RANGE)
+    overhead: float = 1.0  # the tiles' fixed cost, x tile_overhead_k (tile_overhead_range)
 
 
 TABLE4_SECONDS = {"forward": 7.7e-3, "backward": 11.9e-3}
@@ -691,18 +690,6 @@ TABLE4_GPU = "A100-80GB"
 TABLE4_RUN = "GPT 22B on 8 A100s, full recompute"
 """The calibration row (:func:`trainscale.published.published_runs`) whose model and
 GPUs :data:`TABLE4_SECONDS` timed."""
-
-TILE_OVERHEAD_RANGE = (0.0, 2.0)
-"""How much of the tiles' fixed cost (:func:`tile_overhead_k`) a GEMM pays, as multiples
-of our count, at the ends of :func:`estimate_run`'s range (1 in the central estimate).
-0: a second tile resident on the SM, or a persistent kernel, hides all of it. 2: twice
-our count (the first loads' latency is not counted), the most Table 4 allows: at 3x the
-main loop would have to run at more than 90 % of peak, above the 86.9 % the fastest
-measured bf16 GEMM on an A100 reaches (:func:`gemm_share` prints the check). Each end
-reads its own share off Table 4, so the band is nil at Table 4's shape and widens with
-the distance from it: wider GEMMs (long ``k``) gain with a larger overhead, narrower
-ones lose."""
-
 
 ELEMENTWISE_TRAFFIC = {"low": 4.0, "point": 3.0, "high": 2.0}
 """Bytes the element-wise kernels (norms, softmax, dropout, GeLU, residual adds) move
@@ -732,37 +719,28 @@ TILE = (256, 128)
 "Matrix Multiplication Background" user's guide, section 2.3, lists 256 x 128 as the
 most efficient of its typical tiles)."""
 
-TILE_K = 64
-"""Depth of one step of a tile's main loop (the ``k`` slice of A and B it loads at a
-time) and :data:`PIPELINE_STAGES`, the slices in flight: CUTLASS's default tensor-core
-configuration for Ampere, ``DefaultGemmConfiguration<OpClassTensorOp, Sm80, ...>`` in
-``include/cutlass/gemm/device/default_gemm_configuration.h`` (threadblock tile
-128 x 256 x 64, ``kStages = 3``)."""
-
-PIPELINE_STAGES = 3
-"""Main-loop slices a tile keeps in flight (:data:`TILE_K`)."""
-
 
 def tile_overhead_k(share: float, peak_flops: float, bandwidth: float) -> float:
-    """A tile's fixed cost, in steps of its main loop, counted in units of ``k``.
+    """A tile's fixed cost, first order, in steps of its main loop counted in units of ``k``.
 
-    Before its first multiply a tile waits for its pipeline to fill,
-    ``(PIPELINE_STAGES - 1) x TILE_K`` of ``k`` (CUTLASS's multistage main loop, see
-    :data:`TILE_K`); after its last it writes its ``2 x 256 x 128`` bytes of 16-bit
-    output at its SM's share of the memory bandwidth, which lasts as long as
-    ``share x peak_flops / bandwidth`` more of ``k`` (both take the SM's share, so the
-    ratio is the machine's balance point, FLOPs per byte). So a GEMM whose ``k`` is
+    After its last multiply a tile writes its ``2 x 256 x 128`` bytes of 16-bit output
+    at its SM's share of the memory bandwidth; its main loop does ``2 x 256 x 128``
+    FLOPs per unit of ``k`` at its SM's share of ``share x peak_flops``. Both shares
+    are the SM's, so the write lasts ``share x peak_flops / bandwidth`` units of ``k``:
+    the machine's balance point, FLOPs per byte (2 bytes per output element, 2 FLOPs
+    per multiply-add). About 110 on an A100 at a share of 0.72. So a GEMM whose ``k`` is
     short (tensor parallelism cuts the output projection's ``k`` to ``h / TP``) runs
-    further below its peak than a wide one: about 238 of ``k`` on an A100 at
-    :data:`GEMM_SHARE`'s central 0.72, 324 on an H100 at the same share moved to it
-    (0.66). A first-order cost: a second tile resident on the same SM, or a persistent
-    kernel, hides part of it; the first loads' latency adds to it
-    (:data:`TILE_OVERHEAD_RANGE`).
+    further below its share than a wide one. Not counted: the wait for the first slice
+    of A and B before the first multiply (CUTLASS's multistage main loop waits for one
+    stage, one memory latency). A second tile resident on the SM, or a persistent kernel,
+    hides it (CUTLASS's "Efficient GEMM" notes: Hopper's persistent ping-pong kernel
+    overlaps one warp group's output with the other's math); :func:`tile_overhead_range`
+    gives the span the range allows.
     """
     rate = _checks.positive("share", share, maximum=1.0) * _checks.positive(
         "peak_flops", peak_flops
     )
-    return (PIPELINE_STAGES - 1) * TILE_K + rate / _checks.positive("bandwidth", bandwidth)
+    return rate / _checks.positive("bandwidth", bandwidth)
 
 
 def gemm_seconds(
@@ -816,12 +794,29 @@ def _layer_forward(
     c: int = 1,
     ep: int = 1,
     overhead: float = 1.0,
-):
-    """:func:`_layer_forward_at` with the ``band`` of :func:`gemm_share` (at the tile
+) -> tuple[float, float]:
+    """Forward seconds of one layer on one GPU, ``(all of it, the attention-score part)``,
+    in ``band`` (:func:`_layer_times`)."""
+    times = _layer_times(model, cluster, t, b, sp, band, c, ep, overhead)
+    return times[0], times[1]
+
+
+def _layer_times(
+    model: Model,
+    cluster: Cluster,
+    t: int,
+    b: int,
+    sp: bool,
+    band: str,
+    c: int = 1,
+    ep: int = 1,
+    overhead: float = 1.0,
+) -> tuple[float, float, float]:
+    """:func:`_layer_times_at` with the ``band`` of :func:`gemm_share` (at the tile
     ``overhead``) and of :data:`ELEMENTWISE_TRAFFIC`."""
     share = _gemm_share_on(cluster, band, overhead)
     traffic = ELEMENTWISE_TRAFFIC[band]
-    return _layer_forward_at(model, cluster, t, b, sp, share, traffic, c, ep, overhead)
+    return _layer_times_at(model, cluster, t, b, sp, share, traffic, c, ep, overhead)
 
 
 def _gemm_share_on(cluster: Cluster, band: str, overhead: float) -> float:
@@ -833,8 +828,16 @@ def _gemm_share_on(cluster: Cluster, band: str, overhead: float) -> float:
     return gemm_share(overhead)[band] * scale
 
 
+def _forward_and_backward(gemm, m: float, k: float, n: float, batch: float = 1):
+    """Seconds of a GEMM ``(m x k) @ (k x n)`` and of its two backward GEMMs: the input's
+    gradient ``(m x n) @ (n x k)`` and the weight's ``(k x m) @ (m x n)``, each at its
+    own shape (the weight gradient's ``k`` is the forward's rows, ``b s``)."""
+    forward = gemm(m, k, n, batch=batch)
+    return forward, gemm(m, n, k, batch=batch) + gemm(k, m, n, batch=batch)
+
+
 @functools.lru_cache(maxsize=8192)
-def _layer_forward_at(
+def _layer_times_at(
     model: Model,
     cluster: Cluster,
     t: int,
@@ -845,19 +848,22 @@ def _layer_forward_at(
     c: int = 1,
     ep: int = 1,
     overhead: float = 1.0,
-):
-    """Forward seconds of one layer on one GPU: ``(all of it, the attention-score part)``.
+) -> tuple[float, float, float]:
+    """Seconds of one layer on one GPU: ``(forward, its attention-score part, backward)``.
 
     The layer's GEMMs, split over TP as Megatron-LM splits them, each at its roofline
     (:func:`gemm_seconds`): the QKV projection (``kv_heads`` key/value heads), the
     output projection, the MLP's input (two matrices if gated) and output matrices,
     and per head ``Q K^T`` and the product with ``V`` (at the compute roof with a
     fused attention kernel, whose scores stay on chip and which skips the key blocks
-    the causal mask hides). Plus the element-wise kernels:
+    the causal mask hides). Backward, each GEMM's two gradient GEMMs at their own
+    shapes (:func:`_forward_and_backward`); a fused attention kernel's backward takes
+    2.5 times its forward (Dao et al. 2022, section 3.1: five products backward, the
+    recomputed ``Q K^T`` among them, for two forward). Plus the element-wise kernels:
     ``traffic`` (:data:`ELEMENTWISE_TRAFFIC`) x the bytes the layer keeps
     (:func:`trainscale.checkpointing.layer_activation_bytes`, without the ``5 a s^2 b``
-    scores when attention is fused) at the memory bandwidth, a third of it forward.
-    ``share`` and ``overhead`` go to :func:`gemm_seconds`.
+    scores when attention is fused) at the memory bandwidth, a third of it forward,
+    two thirds backward. ``share`` and ``overhead`` go to :func:`gemm_seconds`.
 
     With context parallelism over ``c`` ranks a GPU holds ``s / c`` tokens and their
     queries meet all ``s`` keys (ring attention, chapter 14). A mixture of experts
@@ -878,26 +884,32 @@ def _layer_forward_at(
     )
     rows = b * s / c
     gates = 2 if model.gated_mlp else 1
-    dense = gemm(rows, h, (h + 2 * kv * d) / t) + gemm(rows, h / t, h)
+    shapes = [(rows, h, (h + 2 * kv * d) / t, 1), (rows, h / t, h, 1)]
     if model.experts is None:
-        dense += gemm(rows, h, ffn * gates / t) + gemm(rows, ffn / t, h)
+        shapes += [(rows, h, ffn * gates / t, 1), (rows, ffn / t, h, 1)]
     else:
         local, width = model.experts / ep, model.expert_width
         per_expert = rows * model.top_k / local
-        dense += gemm(rows, h, model.experts)  # the router
-        dense += gemm(per_expert, h, width * gates / t, batch=local)
-        dense += gemm(per_expert, width / t, h, batch=local)
+        shapes += [(rows, h, model.experts, 1)]  # the router
+        shapes += [(per_expert, h, width * gates / t, local), (per_expert, width / t, h, local)]
+    passes = [_forward_and_backward(gemm, m, k, n, batch) for m, k, n, batch in shapes]
+    dense, dense_back = sum(f for f, _ in passes), sum(g for _, g in passes)
     pairs = b * a / t  # (sequence, head) pairs on this GPU
     shape = model.layer_shape
     kept = layer_activation_bytes(s // c, b, h, a, t, sp, "none", **shape)
     if model.fused_attention:  # only the blocks the causal mask leaves
         scores = pairs * 2 * 2 * (s / c) * s * d * CAUSAL_WORK_SHARE / (peak * share)
+        scores_back = 2.5 * scores
         score_bytes = 0.0
     else:  # Q K^T, then the probabilities times V
-        scores = gemm(s, d, s, batch=pairs) + gemm(s, s, d, batch=pairs)
+        qk = _forward_and_backward(gemm, s, d, s, pairs)
+        pv = _forward_and_backward(gemm, s, s, d, pairs)
+        scores, scores_back = qk[0] + pv[0], qk[1] + pv[1]
         score_bytes = kept - layer_activation_bytes(s // c, b, h, a, t, sp, "selective", **shape)
     per_byte = traffic / 3 / bw
-    return dense + scores + kept * per_byte, scores + score_bytes * per_byte
+    forward = dense + scores + kept * per_byte
+    backward = dense_back + scores_back + 2 * kept * per_byte
+    return forward, scores + score_bytes * per_byte, backward
 
 
 def _tensor_collective_seconds(s: float, b: int, h: int, t: int, link: float) -> float:
@@ -907,20 +919,32 @@ def _tensor_collective_seconds(s: float, b: int, h: int, t: int, link: float) ->
 
 
 def table4_seconds(share: float, overhead: float = 1.0) -> dict[str, float]:
-    """The roofline's time of :data:`TABLE4_SECONDS`'s layer at GEMM ``share``: forward
-    (the layer, :func:`_layer_forward_at`, plus its two synchronous tensor-parallel
-    all-reduces) and backward (twice the layer; the run's software overlapped the
-    backward's two all-reduces with the weight-gradient GEMMs, :data:`DOCUMENTED_OVERLAP`),
-    element-wise traffic at its central :data:`ELEMENTWISE_TRAFFIC`, in seconds."""
+    """The roofline's time of :data:`TABLE4_SECONDS`'s layer at GEMM ``share``, in
+    seconds: forward (the layer, :func:`_layer_times_at`, plus its two synchronous
+    tensor-parallel all-reduces) and backward (the layer's gradient GEMMs at their own
+    shapes; the run's software overlapped the backward's two all-reduces with the
+    weight-gradient GEMMs, :data:`DOCUMENTED_OVERLAP`), element-wise traffic at its
+    central :data:`ELEMENTWISE_TRAFFIC`."""
     share = _checks.positive("share", share, maximum=1.0)
     overhead = _checks.non_negative("overhead", overhead)
     run = next(r for r in published_runs() if r.name == TABLE4_RUN)
     model, cluster = published_model(run), published_cluster(run)
     s, b, h, t = model.seq_len, run.micro_batch, model.hidden, run.tp
     traffic = ELEMENTWISE_TRAFFIC["point"]
-    layer = _layer_forward_at(model, cluster, t, b, False, share, traffic, 1, 1, overhead)[0]
+    forward, _, backward = _layer_times_at(
+        model, cluster, t, b, False, share, traffic, 1, 1, overhead
+    )
     reduce = _tensor_collective_seconds(s, b, h, t, cluster.intra_node_bandwidth)
-    return {"forward": layer + 2 * reduce, "backward": 2 * layer}
+    return {"forward": forward + 2 * reduce, "backward": backward}
+
+
+def _bisect(excess, low: float, high: float, steps: int = 32) -> float:
+    """The root of ``excess``, which falls from positive at ``low`` to negative at
+    ``high``, by bisection."""
+    for _ in range(steps):
+        middle = (low + high) / 2
+        low, high = (middle, high) if excess(middle) > 0 else (low, middle)
+    return (low + high) / 2
 
 
 @functools.cache
@@ -929,27 +953,41 @@ def gemm_share(overhead: float = 1.0) -> dict[str, float]:
     Korthikanti et al.'s Table 4 (:data:`TABLE4_SECONDS`) with the tiles' fixed cost at
     ``overhead`` x :func:`tile_overhead_k`: ``low``, the share at which the roofline
     reproduces the measured forward (:func:`table4_seconds`); ``point``, forward plus
-    backward; ``high``, the backward. The two measurements disagree with the model's
-    2:1 split of backward to forward (the measured backward is 1.55 forward), which is
-    this band's width. Not fitted to the published runs; one of the sources of
-    :func:`estimate_run`'s range (with :data:`TILE_OVERHEAD_RANGE`).
+    backward; ``high``, the backward. An effective share: it also carries whatever the
+    measured layer spends that the roofline does not count. The two halves disagree
+    less as the tile cost grows (the forward's GEMMs have shorter ``k`` than the
+    backward's weight gradients), and agree at :func:`tile_overhead_range`'s upper end.
+    Not fitted to the published runs; one of the sources of :func:`estimate_run`'s range.
     """
     scale = _checks.non_negative("overhead", overhead)
+    measured = TABLE4_SECONDS
     targets = {
-        "low": lambda share: table4_seconds(share, scale)["forward"] - TABLE4_SECONDS["forward"],
-        "point": lambda share: (
-            sum(table4_seconds(share, scale).values()) - sum(TABLE4_SECONDS.values())
-        ),
-        "high": lambda share: table4_seconds(share, scale)["backward"] - TABLE4_SECONDS["backward"],
+        "low": lambda share: table4_seconds(share, scale)["forward"] - measured["forward"],
+        "point": lambda share: sum(table4_seconds(share, scale).values()) - sum(measured.values()),
+        "high": lambda share: table4_seconds(share, scale)["backward"] - measured["backward"],
     }
     shares = {}
-    for band, excess in targets.items():  # time falls as the share rises: bisect
-        low, high = 0.05, 1.0
-        for _ in range(48):
-            middle = (low + high) / 2
-            low, high = (middle, high) if excess(middle) > 0 else (low, middle)
-        shares[band] = round((low + high) / 2, 4)
+    for band, excess in targets.items():  # time falls as the share rises
+        if excess(1.0) > 0:
+            raise ValueError(
+                f"overhead {overhead}: Table 4's layer is faster than the roofline at full peak"
+            )
+        shares[band] = round(_bisect(excess, 0.05, 1.0), 4)
     return shares
+
+
+@functools.cache
+def tile_overhead_range() -> tuple[float, float]:
+    """How much of the tiles' fixed cost (:func:`tile_overhead_k`) a GEMM pays at the two
+    ends of :func:`estimate_run`'s range, in multiples of that first-order count (1 in
+    the central estimate): none (a co-resident tile or a persistent kernel hides it),
+    and the most Korthikanti et al.'s Table 4 can carry: the multiple at which one
+    share reproduces both its forward and its backward (:func:`gemm_share`'s ``low`` and
+    ``high`` meet), so all of their disagreement is put down to the tiles' fixed cost.
+    Each end reads its own share off Table 4, so the band is narrow at Table 4's shapes
+    and widens with the distance from them."""
+    gap = lambda overhead: gemm_share(overhead)["high"] - gemm_share(overhead)["low"]  # noqa: E731
+    return 0.0, round(_bisect(gap, 0.0, 8.0, steps=16), 2)
 
 
 def _roofline(
@@ -972,32 +1010,29 @@ def _roofline(
     ``layers - 1`` of them when ``ends_short`` is 2 (the layers fall two short of the
     stages' slots, and the output layer takes one, as Llama 3 balanced its pipeline),
     plus the output layer's GEMM and its fp32 logits (``4 s b V / t`` bytes); the
-    pipeline runs at the pace of the slower of the two. Backward is twice the
-    forward (two GEMMs per forward GEMM; element-wise traffic as counted), plus, with
-    a fused attention kernel, half of the attention products once more: its backward
-    recomputes ``Q K^T`` (Dao et al. 2022, section 3.1: five products backward for two
-    forward). Full recomputation repeats the forward of the layers, selective the
-    score part (nothing more with a fused kernel, whose backward already does).
+    pipeline runs at the pace of the slower of the two. Backward: the layers'
+    (:func:`_layer_times`: each GEMM's two gradient GEMMs at their own shapes) and the
+    output layer's. Full recomputation repeats the forward of the layers, selective
+    the score part (nothing more with a fused kernel, whose backward already does).
     """
-    layer, score = _layer_forward(model, cluster, t, b, sp, band, c, ep, overhead)
+    layer, score, layer_back = _layer_times(model, cluster, t, b, sp, band, c, ep, overhead)
     rows, share = b * model.seq_len / c, _gemm_share_on(cluster, band, overhead)
     bw = cluster.memory_bandwidth
-    head = gemm_seconds(
-        rows,
-        model.hidden,
-        model.vocab / t,
-        cluster.peak_flops,
-        bw,
-        share,
-        1,
-        cluster.multiprocessors,
-        overhead,
+    gemm = functools.partial(
+        gemm_seconds,
+        peak_flops=cluster.peak_flops,
+        bandwidth=bw,
+        share=share,
+        multiprocessors=cluster.multiprocessors,
+        tile_overhead=overhead,
     )
-    head += 4 * rows * model.vocab / t * ELEMENTWISE_TRAFFIC[band] / 3 / bw
+    head, head_back = _forward_and_backward(gemm, rows, model.hidden, model.vocab / t)
+    logits = 4 * rows * model.vocab / t * ELEMENTWISE_TRAFFIC[band] / 3 / bw
+    head, head_back = head + logits, head_back + 2 * logits
     last_layers = layers - (ends_short >= 2)
-    forward = max(layers * layer, last_layers * layer + head)
-    flash = score / 2 if model.fused_attention else 0.0  # the backward's recomputed Q K^T
-    backward = 2 * forward + (last_layers if forward > layers * layer else layers) * flash
+    last_is_slower = last_layers * layer + head > layers * layer
+    forward = last_layers * layer + head if last_is_slower else layers * layer
+    backward = last_layers * layer_back + head_back if last_is_slower else layers * layer_back
     selective = 0.0 if model.fused_attention else layers * score
     recompute = {"full": layers * layer, "selective": selective, "none": 0.0}[mode]
     return forward, backward, recompute
@@ -1095,6 +1130,16 @@ def _data_parallel_seconds(
 
 
 _OPTIMISER_BYTES = sum(BYTES_PER_PARAM[part] for part in OPTIMIZER_STATE)  # 12 per parameter
+
+OPTIMISER_STEP_BYTES = 4 + (16 + 12) + (4 + 2) + 4
+"""Bytes the optimiser step moves per parameter a GPU updates, 42: the passes of
+Megatron-LM's mixed-precision step (``Float16OptimizerWithFloat16Params.step`` in
+``megatron/optimizer/optimizer.py``, commit d239429) with bf16 and fp32 main
+gradients: the gradient norm reads each fp32 gradient (4); Adam reads the fp32 weight,
+gradient and two moments and writes the weight and moments (16 + 12); the 16-bit
+weights are copied from the fp32 ones (4 + 2); the gradient buffer is zeroed for the
+next step (4). With fp16, loss scaling adds a copy of the 16-bit gradients to fp32 and
+the unscaling pass (6 + 8 more)."""
 
 COLLECTIVE_STEP_SECONDS = 5e-6
 """Latency of one step of a ring collective between nodes, in seconds (an assumption:
@@ -1397,15 +1442,13 @@ def _evaluate(
             )
             dp_each = data_overlap * best + shown * (all_each + regather) + latency
 
-    # The optimiser step, once per step, memory bound: Adam reads and writes the fp32
-    # master weights and moments of the parameters this GPU updates (all its own
-    # without ZeRO, its shard with it), reads their gradients and writes their 16-bit
-    # weights. The simple model leaves it out.
+    # The optimiser step, once per step, memory bound: OPTIMISER_STEP_BYTES for each
+    # parameter this GPU updates (all its own without ZeRO, its shard with it). The
+    # simple model leaves it out.
     optimiser = 0.0
     if opt.efficiency is None:
         owned = state["optimiser state"] / _OPTIMISER_BYTES
-        traffic = 2 * state["optimiser state"] + owned * (grad_bytes + BYTES_PER_PARAM["weights"])
-        optimiser = traffic / cluster.memory_bandwidth
+        optimiser = owned * OPTIMISER_STEP_BYTES / cluster.memory_bandwidth
 
     per_micro = compute + recompute + tensor + context + expert + sends + dp_each
     busy = m * per_micro
@@ -1877,9 +1920,13 @@ al.'s code): ``train_step`` all-reduces the gradients (``allreduce_gradients``, 
 default ``--DDP-impl local``) after ``forward_backward_func`` returns, so nothing of it
 hides; the tensor-parallel all-reduces are synchronous. As of 10 May 2022 (commit
 d239429, Korthikanti et al.'s): the same all-reduce after the backward, and
-``async_tensor_model_parallel_allreduce`` (on unless ``--no-async-tensor-model-parallel-allreduce``)
-runs a column-parallel layer's backward all-reduce while its weight-gradient GEMM
-computes. A property of the software, read off its code, not a tuned constant."""
+``async_tensor_model_parallel_allreduce`` (on unless
+``--no-async-tensor-model-parallel-allreduce``) runs a column-parallel layer's backward
+all-reduce while its weight-gradient GEMM computes; with sequence parallelism (commit
+739cb43, 24 May 2022, the code of their selective-recomputation runs) the backward's
+all-gather runs under the input-gradient GEMM and its reduce-scatter under the
+weight-gradient GEMM instead. A property of the software, read off its code, not a
+tuned constant."""
 
 
 def _documented_overlap(run: PublishedRun) -> tuple[float | None, float | None]:
@@ -1956,7 +2003,7 @@ class RunEstimate:
     ``mfu`` (6N) and its range ``[mfu_low, mfu_high]``: the fastest setting of the
     fields the run does not publish, under the central and the pessimistic and
     optimistic ends of :func:`gemm_share` (at each tile overhead of
-    :data:`TILE_OVERHEAD_RANGE`), :data:`ELEMENTWISE_TRAFFIC` and :data:`OVERLAP`
+    :func:`tile_overhead_range`), :data:`ELEMENTWISE_TRAFFIC` and :data:`OVERLAP`
     (or :data:`DOCUMENTED_OVERLAP`).
     ``layout`` is the central estimate (its ``times`` the step's breakdown, in
     seconds), ``memory_bytes`` its memory per GPU, ``fits`` whether that is within
@@ -2057,9 +2104,10 @@ def _rank(run: PublishedRun, point: Layout) -> int | None:
 
 def _range_ends(evaluate_at) -> tuple[Layout, Layout]:
     """The pessimistic and optimistic layouts among ``evaluate_at(band, overhead)`` for
-    the ``low`` and ``high`` bands at every tile overhead of :data:`TILE_OVERHEAD_RANGE`
+    the ``low`` and ``high`` bands at every tile overhead of :func:`tile_overhead_range`
     (and the counted one between them): the one slowest, the other fastest."""
-    ends = (TILE_OVERHEAD_RANGE[0], 1.0, TILE_OVERHEAD_RANGE[1])
+    none, most = tile_overhead_range()
+    ends = (none, 1.0, most)
     lows = [evaluate_at("low", overhead) for overhead in ends]
     highs = [evaluate_at("high", overhead) for overhead in ends]
     if None in lows or None in highs:
@@ -2074,7 +2122,7 @@ def estimate_run(run: PublishedRun, overlap: float | None = None) -> RunEstimate
     ``None`` (micro-batch, ZeRO stage, recomputation, sequence parallelism,
     interleaving depth) is searched, and the fastest setting taken, once for each end
     of the range: the ``low`` and ``high`` bands of :func:`gemm_share` (at each tile
-    overhead of :data:`TILE_OVERHEAD_RANGE`), :data:`ELEMENTWISE_TRAFFIC` and
+    overhead of :func:`tile_overhead_range`), :data:`ELEMENTWISE_TRAFFIC` and
     :data:`OVERLAP` (or the overlap the run's software documents,
     :data:`DOCUMENTED_OVERLAP`). ``overlap`` (a share in [0, 1]) pins the share of the
     data- and tensor-parallel communication that hides instead: what the range would be
@@ -2111,7 +2159,7 @@ def mfu_range(
     :func:`plan` or :func:`evaluate` (with the ``schedule`` and ``fp32_gradients`` it was
     planned with), the same construction :func:`estimate_run` gives a published run:
     the pessimistic and optimistic bands of :func:`gemm_share` (at each tile overhead of
-    :data:`TILE_OVERHEAD_RANGE`), :data:`ELEMENTWISE_TRAFFIC` and :data:`OVERLAP`."""
+    :func:`tile_overhead_range`), :data:`ELEMENTWISE_TRAFFIC` and :data:`OVERLAP`."""
     _check_inputs(model, cluster, 1)
     if not isinstance(layout, Layout):
         raise ValueError(f"layout must be a planner.Layout, got {type(layout).__name__}")
