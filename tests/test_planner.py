@@ -984,11 +984,11 @@ def test_a_fused_causal_kernel_computes_half_the_scores_and_cp_splits_them():
     # per (sequence, head) pair 2 products x 2 s^2 d FLOPs x 1/2, at the central GEMM
     # share of 989e12 FLOP/s. Llama 3 8B's shape at 131,072 tokens, TP 8: 32 / 8 = 4
     # heads of 128 per GPU.
-    _, scores = P._layer_forward(LONG_8B, TWO_NODES, 8, 1, True, "point")
+    _, scores, _ = P._layer_times(LONG_8B, TWO_NODES, 8, 1, True, "point")
     share = P.GEMM_SHARE["point"] * (794.5 / 989) / (271.2 / 312)  # A100's, moved to an H100
     hand = 4 * 2 * 2 * 131072**2 * 128 * 0.5 / (share * 989e12)
     assert scores == pytest.approx(hand, rel=1e-12)
-    _, split = P._layer_forward(LONG_8B, TWO_NODES, 8, 1, True, "point", 4)
+    _, split, _ = P._layer_times(LONG_8B, TWO_NODES, 8, 1, True, "point", 4)
     assert split == pytest.approx(hand / 4, rel=1e-12)
 
 

@@ -126,7 +126,7 @@ experts over ``EP`` of the DP ranks, whose all-to-alls
 (:func:`trainscale.experts.all_to_all_bytes_per_rank`, four per layer) are charged in
 full (:func:`_expert_parallel_seconds`); each GPU holds ``E / EP`` experts, sharded by
 ZeRO over the ``DP CP / EP`` ranks that hold the same ones; the local experts run as
-one batched GEMM (:func:`_layer_forward`), and MFU counts the active parameters
+one batched GEMM (:func:`_layer_times_at`), and MFU counts the active parameters
 (:attr:`Model.active_params`). Both dimensions are searched for every layout by
 :func:`plan` (:func:`expert_parallel_degrees`).
 
@@ -784,23 +784,6 @@ def gemm_seconds(
     return max(compute, batch * 2 * (m * k + k * n + m * n) / bw)
 
 
-def _layer_forward(
-    model: Model,
-    cluster: Cluster,
-    t: int,
-    b: int,
-    sp: bool,
-    band: str,
-    c: int = 1,
-    ep: int = 1,
-    overhead: float = 1.0,
-) -> tuple[float, float]:
-    """Forward seconds of one layer on one GPU, ``(all of it, the attention-score part)``,
-    in ``band`` (:func:`_layer_times`)."""
-    times = _layer_times(model, cluster, t, b, sp, band, c, ep, overhead)
-    return times[0], times[1]
-
-
 def _layer_times(
     model: Model,
     cluster: Cluster,
@@ -1006,7 +989,7 @@ def _roofline(
 ) -> tuple[float, float, float]:
     """Forward, backward and recomputation seconds of one micro-batch on the slowest stage.
 
-    ``layers`` layers (:func:`_layer_forward`) on a middle stage; the last stage has
+    ``layers`` layers (:func:`_layer_times`) on a middle stage; the last stage has
     ``layers - 1`` of them when ``ends_short`` is 2 (the layers fall two short of the
     stages' slots, and the output layer takes one, as Llama 3 balanced its pipeline),
     plus the output layer's GEMM and its fp32 logits (``4 s b V / t`` bytes); the
@@ -1380,7 +1363,7 @@ def _evaluate(
             model, cluster, t, b, per_stage, mode, sp, band, short, c, ep, overhead
         )
         compute = forward + backward
-        attention = _layer_forward(model, cluster, t, b, sp, band, c, ep, overhead)[1]
+        attention = _layer_times(model, cluster, t, b, sp, band, c, ep, overhead)[1]
     else:
         rate = cluster.peak_flops * opt.efficiency
         six = sum(FLOPS_PER_PARAM_PER_TOKEN.values())
