@@ -198,6 +198,7 @@ __all__ = [  # this module's public names, and those it re-exports for chapter 1
     "FP32_GRADIENTS",
     "FP32_GRADIENT_SOURCES",
     "FUSED_ATTENTION_SOURCES",
+    "FUSED_BACKWARD_PASSES",
     "GEMM_SHARE",
     "H100_NODE",
     "INTERLEAVING",
@@ -725,17 +726,17 @@ def tile_overhead_k(share: float, peak_flops: float, bandwidth: float) -> float:
 
     After its last multiply a tile writes its ``2 x 256 x 128`` bytes of 16-bit output
     at its SM's share of the memory bandwidth; its main loop does ``2 x 256 x 128``
-    FLOPs per unit of ``k`` at its SM's share of ``share x peak_flops``. Both shares
-    are the SM's, so the write lasts ``share x peak_flops / bandwidth`` units of ``k``:
-    the machine's balance point, FLOPs per byte (2 bytes per output element, 2 FLOPs
-    per multiply-add). About 110 on an A100 at a share of 0.72. So a GEMM whose ``k`` is
-    short (tensor parallelism cuts the output projection's ``k`` to ``h / TP``) runs
-    further below its share than a wide one. Not counted: the wait for the first slice
-    of A and B before the first multiply (CUTLASS's multistage main loop waits for one
-    stage, one memory latency). A second tile resident on the SM, or a persistent kernel,
-    hides it (CUTLASS's "Efficient GEMM" notes: Hopper's persistent ping-pong kernel
-    overlaps one warp group's output with the other's math); :func:`tile_overhead_range`
-    gives the span the range allows.
+    FLOPs per unit of ``k`` at its SM's share of ``share x peak_flops``. Both shares are
+    the SM's, so the write lasts ``share x peak_flops / bandwidth`` units of ``k``: the
+    machine's balance point, FLOPs per byte (2 bytes per output element, 2 FLOPs per
+    multiply-add). About 103 on an A100 at the central share, 0.67. So a GEMM whose
+    ``k`` is short (tensor parallelism cuts the output projection's ``k`` to ``h / TP``)
+    runs further below its share than a wide one. Not counted: the wait for the first
+    slice of A and B before the first multiply (CUTLASS's multistage main loop waits for
+    one stage, one memory latency). A second tile resident on the SM, or a persistent
+    kernel, hides the output write (CUTLASS's "Efficient GEMM" notes: Hopper's
+    persistent ping-pong kernel overlaps one warp group's output with the other's math);
+    :func:`tile_overhead_range` gives the span the range allows.
     """
     rate = _checks.positive("share", share, maximum=1.0) * _checks.positive(
         "peak_flops", peak_flops
@@ -761,8 +762,8 @@ def gemm_seconds(
     as a full one (wave quantisation, section 3.2 of NVIDIA's "Matrix Multiplication
     Background" user's guide). Each wave does ``multiprocessors x 2 x 256 x 128 x k``
     FLOPs at ``share x peak_flops``, and each of its tiles also pays a fixed cost worth
-    ``tile_overhead x`` :func:`tile_overhead_k` more of ``k`` (filling its pipeline,
-    writing its output; ``tile_overhead`` 0 when something hides it). Memory: the 16-bit
+    ``tile_overhead x`` :func:`tile_overhead_k` more of ``k`` (writing its output;
+    ``tile_overhead`` 0 when something hides it). Memory: the 16-bit
     operands and results, ``2 (m k + k n + m n)`` bytes per GEMM, at ``bandwidth``. The
     kernel takes the longer of the two (the roofline of Williams et al. 2009). So a
     GEMM's efficiency is a function of its shape: one with a short side (attention's
@@ -819,6 +820,23 @@ def _forward_and_backward(gemm, m: float, k: float, n: float, batch: float = 1):
     return forward, gemm(m, n, k, batch=batch) + gemm(k, m, n, batch=batch)
 
 
+FUSED_BACKWARD_PASSES = 5 / 2
+"""A fused attention kernel's backward over its forward: five products (the recomputed
+``Q K^T``, ``dV``, ``dP``, ``dQ``, ``dK``) for two (Dao et al. 2022, section 3.1)."""
+
+
+def _fused_attention_seconds(
+    pairs: float, queries: float, keys: float, head_dim: int, rate: float
+) -> tuple[float, float]:
+    """Forward and backward seconds of a fused causal attention kernel (FlashAttention)
+    over ``pairs`` (sequence, head) pairs: ``Q K^T`` and the product with ``V``, 2 x 2
+    ``queries x keys x head_dim`` FLOPs per pair, only the blocks the causal mask leaves
+    (:data:`trainscale.context.CAUSAL_WORK_SHARE`, as its kernels stop at the diagonal
+    block), at ``rate`` FLOP/s; backward :data:`FUSED_BACKWARD_PASSES` times that."""
+    forward = pairs * 2 * 2 * queries * keys * head_dim * CAUSAL_WORK_SHARE / rate
+    return forward, FUSED_BACKWARD_PASSES * forward
+
+
 @functools.lru_cache(maxsize=8192)
 def _layer_times_at(
     model: Model,
@@ -836,17 +854,16 @@ def _layer_times_at(
 
     The layer's GEMMs, split over TP as Megatron-LM splits them, each at its roofline
     (:func:`gemm_seconds`): the QKV projection (``kv_heads`` key/value heads), the
-    output projection, the MLP's input (two matrices if gated) and output matrices,
-    and per head ``Q K^T`` and the product with ``V`` (at the compute roof with a
-    fused attention kernel, whose scores stay on chip and which skips the key blocks
-    the causal mask hides). Backward, each GEMM's two gradient GEMMs at their own
-    shapes (:func:`_forward_and_backward`); a fused attention kernel's backward takes
-    2.5 times its forward (Dao et al. 2022, section 3.1: five products backward, the
-    recomputed ``Q K^T`` among them, for two forward). Plus the element-wise kernels:
-    ``traffic`` (:data:`ELEMENTWISE_TRAFFIC`) x the bytes the layer keeps
-    (:func:`trainscale.checkpointing.layer_activation_bytes`, without the ``5 a s^2 b``
-    scores when attention is fused) at the memory bandwidth, a third of it forward,
-    two thirds backward. ``share`` and ``overhead`` go to :func:`gemm_seconds`.
+    output projection, the MLP's input (two matrices if gated) and output matrices, and
+    per head ``Q K^T`` and the product with ``V`` (at the compute roof with a fused
+    attention kernel, whose scores stay on chip and which skips the key blocks the
+    causal mask hides, :func:`_fused_attention_seconds`). Backward, each GEMM's two
+    gradient GEMMs at their own shapes (:func:`_forward_and_backward`); a fused
+    attention kernel's :data:`FUSED_BACKWARD_PASSES` times its forward. Plus the
+    element-wise kernels: ``traffic`` (:data:`ELEMENTWISE_TRAFFIC`) x the bytes the
+    layer keeps (:func:`trainscale.checkpointing.layer_activation_bytes`, without the
+    ``5 a s^2 b`` scores when attention is fused) at the memory bandwidth, a third of it
+    forward, two thirds backward. ``share`` and ``overhead`` go to :func:`gemm_seconds`.
 
     With context parallelism over ``c`` ranks a GPU holds ``s / c`` tokens and their
     queries meet all ``s`` keys (ring attention, chapter 14). A mixture of experts
@@ -880,9 +897,8 @@ def _layer_times_at(
     pairs = b * a / t  # (sequence, head) pairs on this GPU
     shape = model.layer_shape
     kept = layer_activation_bytes(s // c, b, h, a, t, sp, "none", **shape)
-    if model.fused_attention:  # only the blocks the causal mask leaves
-        scores = pairs * 2 * 2 * (s / c) * s * d * CAUSAL_WORK_SHARE / (peak * share)
-        scores_back = 2.5 * scores
+    if model.fused_attention:
+        scores, scores_back = _fused_attention_seconds(pairs, s / c, s, d, peak * share)
         score_bytes = 0.0
     else:  # Q K^T, then the probabilities times V
         qk = _forward_and_backward(gemm, s, d, s, pairs)
@@ -953,7 +969,8 @@ def gemm_share(overhead: float = 1.0) -> dict[str, float]:
     for band, excess in targets.items():  # time falls as the share rises
         if excess(1.0) > 0:
             raise ValueError(
-                f"overhead {overhead}: Table 4's layer is faster than the roofline at full peak"
+                f"overhead must leave Table 4's layer slower than the roofline at full peak "
+                f"(up to about 8), got {overhead}"
             )
         shares[band] = round(_bisect(excess, 0.05, 1.0), 4)
     return shares
@@ -993,10 +1010,11 @@ def _roofline(
     ``layers - 1`` of them when ``ends_short`` is 2 (the layers fall two short of the
     stages' slots, and the output layer takes one, as Llama 3 balanced its pipeline),
     plus the output layer's GEMM and its fp32 logits (``4 s b V / t`` bytes); the
-    pipeline runs at the pace of the slower of the two. Backward: the layers'
-    (:func:`_layer_times`: each GEMM's two gradient GEMMs at their own shapes) and the
-    output layer's. Full recomputation repeats the forward of the layers, selective
-    the score part (nothing more with a fused kernel, whose backward already does).
+    pipeline runs at the pace of the slower of the two, forward, backward and
+    recomputation together. Backward: the layers' (:func:`_layer_times`: each GEMM's two
+    gradient GEMMs at their own shapes) and the output layer's. Full recomputation
+    repeats the forward of the stage's layers, selective the score part (nothing more
+    with a fused kernel, whose backward already does).
     """
     layer, score, layer_back = _layer_times(model, cluster, t, b, sp, band, c, ep, overhead)
     rows, share = b * model.seq_len / c, _gemm_share_on(cluster, band, overhead)
@@ -1013,12 +1031,14 @@ def _roofline(
     logits = 4 * rows * model.vocab / t * ELEMENTWISE_TRAFFIC[band] / 3 / bw
     head, head_back = head + logits, head_back + 2 * logits
     last_layers = layers - (ends_short >= 2)
-    last_is_slower = last_layers * layer + head > layers * layer
-    forward = last_layers * layer + head if last_is_slower else layers * layer
-    backward = last_layers * layer_back + head_back if last_is_slower else layers * layer_back
-    selective = 0.0 if model.fused_attention else layers * score
-    recompute = {"full": layers * layer, "selective": selective, "none": 0.0}[mode]
-    return forward, backward, recompute
+
+    def stage(count: int, head: float, head_back: float) -> tuple[float, float, float]:
+        selective = 0.0 if model.fused_attention else count * score
+        recompute = {"full": count * layer, "selective": selective, "none": 0.0}[mode]
+        return count * layer + head, count * layer_back + head_back, recompute
+
+    middle, last = stage(layers, 0.0, 0.0), stage(last_layers, head, head_back)
+    return max(middle, last, key=sum)  # the slower stage sets the pace
 
 
 def _options(
@@ -1122,7 +1142,8 @@ gradients: the gradient norm reads each fp32 gradient (4); Adam reads the fp32 w
 gradient and two moments and writes the weight and moments (16 + 12); the 16-bit
 weights are copied from the fp32 ones (4 + 2); the gradient buffer is zeroed for the
 next step (4). With fp16, loss scaling adds a copy of the 16-bit gradients to fp32 and
-the unscaling pass (6 + 8 more)."""
+the unscaling pass (6 + 8 more). The planner charges 42 for every run, fp16 ones
+included (the difference is under a thousandth of their steps)."""
 
 COLLECTIVE_STEP_SECONDS = 5e-6
 """Latency of one step of a ring collective between nodes, in seconds (an assumption:
@@ -1985,9 +2006,9 @@ class RunEstimate:
 
     ``mfu`` (6N) and its range ``[mfu_low, mfu_high]``: the fastest setting of the
     fields the run does not publish, under the central and the pessimistic and
-    optimistic ends of :func:`gemm_share` (at each tile overhead of
-    :func:`tile_overhead_range`), :data:`ELEMENTWISE_TRAFFIC` and :data:`OVERLAP`
-    (or :data:`DOCUMENTED_OVERLAP`).
+    optimistic ends of :func:`gemm_share` (with no tile cost, the counted one and the
+    upper end of :func:`tile_overhead_range`), :data:`ELEMENTWISE_TRAFFIC` and
+    :data:`OVERLAP` (or :data:`DOCUMENTED_OVERLAP`).
     ``layout`` is the central estimate (its ``times`` the step's breakdown, in
     seconds), ``memory_bytes`` its memory per GPU, ``fits`` whether that is within
     :data:`trainscale.memory.USABLE_MEMORY` of the GPU, ``rank`` the published
@@ -2087,8 +2108,8 @@ def _rank(run: PublishedRun, point: Layout) -> int | None:
 
 def _range_ends(evaluate_at) -> tuple[Layout, Layout]:
     """The pessimistic and optimistic layouts among ``evaluate_at(band, overhead)`` for
-    the ``low`` and ``high`` bands at every tile overhead of :func:`tile_overhead_range`
-    (and the counted one between them): the one slowest, the other fastest."""
+    the ``low`` and ``high`` bands with no tile cost, the counted one and the upper end
+    of :func:`tile_overhead_range`: the one slowest, the other fastest."""
     none, most = tile_overhead_range()
     ends = (none, 1.0, most)
     lows = [evaluate_at("low", overhead) for overhead in ends]
@@ -2104,9 +2125,9 @@ def estimate_run(run: PublishedRun, overlap: float | None = None) -> RunEstimate
     The run's TP, PP, DP, global batch and GPUs are fixed; each field it leaves
     ``None`` (micro-batch, ZeRO stage, recomputation, sequence parallelism,
     interleaving depth) is searched, and the fastest setting taken, once for each end
-    of the range: the ``low`` and ``high`` bands of :func:`gemm_share` (at each tile
-    overhead of :func:`tile_overhead_range`), :data:`ELEMENTWISE_TRAFFIC` and
-    :data:`OVERLAP` (or the overlap the run's software documents,
+    of the range: the ``low`` and ``high`` bands of :func:`gemm_share` (with no tile
+    cost, the counted one and the upper end of :func:`tile_overhead_range`),
+    :data:`ELEMENTWISE_TRAFFIC` and :data:`OVERLAP` (or the overlap the run's software documents,
     :data:`DOCUMENTED_OVERLAP`). ``overlap`` (a share in [0, 1]) pins the share of the
     data- and tensor-parallel communication that hides instead: what the range would be
     if a source said it.
@@ -2141,8 +2162,9 @@ def mfu_range(
     """``(low, high)``: the calibrated model's MFU range for one ``layout`` of
     :func:`plan` or :func:`evaluate` (with the ``schedule`` and ``fp32_gradients`` it was
     planned with), the same construction :func:`estimate_run` gives a published run:
-    the pessimistic and optimistic bands of :func:`gemm_share` (at each tile overhead of
-    :func:`tile_overhead_range`), :data:`ELEMENTWISE_TRAFFIC` and :data:`OVERLAP`."""
+    the pessimistic and optimistic bands of :func:`gemm_share` (with no tile cost, the
+    counted one and the upper end of :func:`tile_overhead_range`),
+    :data:`ELEMENTWISE_TRAFFIC` and :data:`OVERLAP`."""
     _check_inputs(model, cluster, 1)
     if not isinstance(layout, Layout):
         raise ValueError(f"layout must be a planner.Layout, got {type(layout).__name__}")
@@ -2184,7 +2206,8 @@ def mfu_range(
 
 GEMM_SHARE = gemm_share(1.0)
 """The central estimate's GEMM share by band (:func:`gemm_share` at the counted tile
-overhead): about 0.67, 0.72 and 0.74 of peak in the main loop of a compute-bound GEMM."""
+overhead): about 0.62, 0.67 and 0.70 of peak, an effective share of a compute-bound
+GEMM's main loop on an A100."""
 
 
 if __name__ == "__main__":  # python -m trainscale.planner: the command line
