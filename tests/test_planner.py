@@ -551,7 +551,7 @@ def test_calibration_against_published_runs(capsys):
         print("\n" + table)
         print({key: round(value, 3) for key, value in summary.items()})
     assert len(P.published_runs()) == 34
-    assert summary["median error"] <= 0.05  # target 0.10: met (0.046 today)
+    assert summary["median error"] <= 0.05  # target 0.10: met (0.043 today)
     assert summary["top 5"] >= 32 / 34  # target 0.70: met
     assert summary["coverage"] >= 31 / 34  # target 0.90: met (31 of 34)
     assert summary["within 1.35"] >= 28 / 34  # target 1.0: see the next test
@@ -640,7 +640,13 @@ def test_documented_overlap_follows_the_runs_software():
     assert P._documented_overlap(runs["GPT 22B on 8 A100s, full recompute"]) == (0.0, 1.0)
     # Narayanan et al.'s ZeRO-3 rows ran DeepSpeed's data parallelism: not documented.
     assert P._documented_overlap(runs["GPT 174.6B on 384 A100s, ZeRO-3"]) == (None, None)
-    assert P._documented_overlap(runs["BLOOM 176B on 384 A100s"]) == (None, None)
+    # BLOOM's pipeline ran on DeepSpeed's engine: gradients reduced after the flush, one
+    # model chunk per GPU, ZeRO 0 or 1; its tensor parallelism's overlap is not documented.
+    bloom = runs["BLOOM 176B on 384 A100s"]
+    assert P._documented_overlap(bloom) == (0.0, None)
+    choices = P._choices(dataclasses.replace(bloom, zero_stage=None))
+    assert choices["v"] == (1,) and choices["zero_stages"] == (0, 1)
+    assert P.estimate_run(bloom).layout.virtual_stages == 1
 
 
 def test_the_optimiser_step_by_hand():

@@ -190,6 +190,7 @@ __all__ = [  # this module's public names, and those it re-exports for chapter 1
     "A100_NODE",
     "ACTIVATION_PARTS",
     "COLLECTIVE_STEP_SECONDS",
+    "DEEPSPEED_PIPELINE_SOURCES",
     "DOCUMENTED_OVERLAP",
     "ELEMENTWISE_TRAFFIC",
     "EXAMPLE_CLUSTER",
@@ -1933,13 +1934,25 @@ weight-gradient GEMM instead. A property of the software, read off its code, not
 tuned constant."""
 
 
+DEEPSPEED_PIPELINE_SOURCES = ("bigscience2022bloom", "smith2022megatronturing")
+"""Bib keys of runs whose pipeline ran on DeepSpeed's pipeline engine (Megatron-DeepSpeed:
+BLOOM; MT-NLG). Its ``TrainSchedule`` (``deepspeed/runtime/pipe/schedule.py``) is 1F1B
+without interleaving, and reduces the gradients (``ReduceGrads``) only after the last
+micro-batch's backward; its engine refuses ZeRO stages 2 and 3 ("ZeRO-2 and ZeRO-3 are
+incompatible with pipeline parallelism", ``deepspeed/runtime/pipe/engine.py``). So: one
+model chunk per GPU, ZeRO 0 or 1, and no data-parallel traffic hidden under the
+backward. A property of the software, read off its code."""
+
+
 def _documented_overlap(run: PublishedRun) -> tuple[float | None, float | None]:
-    """``(data, tensor)`` overlap a run's software documents (:data:`DOCUMENTED_OVERLAP`),
-    ``None`` where it does not."""
+    """``(data, tensor)`` overlap a run's software documents (:data:`DOCUMENTED_OVERLAP`,
+    :data:`DEEPSPEED_PIPELINE_SOURCES`), ``None`` where it does not."""
     if run.zero_stage == 0:
         for key, shares in DOCUMENTED_OVERLAP.items():
             if _cites(run, (key,)):
                 return shares
+    if _cites(run, DEEPSPEED_PIPELINE_SOURCES):
+        return 0.0, None
     return None, None
 
 
@@ -2036,13 +2049,18 @@ INTERLEAVING = (1, 2, 3, 4, 6, 8)
 
 
 def _choices(run: PublishedRun) -> dict:
-    """What a run publishes, or every value the planner tries where it does not."""
+    """What a run publishes, or every value the planner tries where it does not (on
+    DeepSpeed's pipeline engine, one model chunk per GPU and ZeRO 0 or 1:
+    :data:`DEEPSPEED_PIPELINE_SOURCES`)."""
+    deepspeed = _cites(run, DEEPSPEED_PIPELINE_SOURCES)
+    depths = INTERLEAVING if not deepspeed else (1,)
+    stages = (0, 1, 2, 3) if not deepspeed else (0, 1)
     return {
         "micro_batches": (run.micro_batch,) if run.micro_batch else (1, 2, 4, 8),
-        "zero_stages": (run.zero_stage,) if run.zero_stage is not None else (0, 1, 2, 3),
+        "zero_stages": (run.zero_stage,) if run.zero_stage is not None else stages,
         "recompute": (run.recompute,) if run.recompute else RECOMPUTE,
         "sp": (run.sequence_parallel,) if run.sequence_parallel is not None else (True, False),
-        "v": (run.virtual_stages,) if run.virtual_stages else INTERLEAVING,
+        "v": (run.virtual_stages,) if run.virtual_stages else depths,
     }
 
 
