@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trainscale import checkpointing, collectives, context, experts, sharding
+from trainscale import checkpointing, collectives, compute, context, experts, sharding
 from trainscale import planner as P
 from trainscale.compute import training_seconds
 from trainscale.memory import model_state_bytes
@@ -513,33 +513,20 @@ def test_zero3_regathers_under_full_recompute_and_pays_ring_latency():
     assert P._zero3_extra(10**9, 4, 1, "full", 10, 1e9) == (0.0, 0.0)
 
 
+@functools.cache
+def calibration_estimates() -> tuple[P.RunEstimate, ...]:
+    """The planner's estimate of every published run, once per test session."""
+    return tuple(P.estimate_run(run) for run in P.published_runs())
+
+
 def calibration_table() -> tuple[str, dict[str, float]]:
     """The planner against every published run: the table and the issue's five targets."""
-    lines, ratios, inside, spans, fits, top5 = [], [], 0, [], 0, 0
-    runs = P.published_runs()
-    for run in runs:
-        e = P.estimate_run(run)
-        published = P.reported_mfu(run)
-        ratios.append(e.mfu / published)
-        inside += e.mfu_low <= published <= e.mfu_high
-        spans.append(e.mfu_high / e.mfu_low)
-        fits += e.fits
-        top5 += e.rank is not None and e.rank <= 5
-        lines.append(
-            f"{run.name:46s} {published:6.1%} {e.mfu:6.1%} [{e.mfu_low:5.1%}, {e.mfu_high:5.1%}]"
-            f" {e.memory_bytes / 2**30:6.1f} GiB rank {e.rank}"
-        )
-    n = len(runs)
-    ordered = sorted(abs(r - 1) for r in ratios)
-    summary = {
-        "coverage": inside / n,
-        "median error": (ordered[(n - 1) // 2] + ordered[n // 2]) / 2,
-        "widest range": max(spans),
-        "within 1.35": sum(span <= 1.35 for span in spans) / n,
-        "fits": fits / n,
-        "top 5": top5 / n,
-    }
-    return "\n".join(lines), summary
+    lines = [
+        f"{e.run.name:46s} {P.reported_mfu(e.run):6.1%} {e.mfu:6.1%} "
+        f"[{e.mfu_low:5.1%}, {e.mfu_high:5.1%}] {e.memory_bytes / 2**30:6.1f} GiB rank {e.rank}"
+        for e in calibration_estimates()
+    ]
+    return "\n".join(lines), P.calibration_targets(calibration_estimates())
 
 
 def test_calibration_against_published_runs(capsys):
@@ -564,8 +551,8 @@ def test_every_range_over_1_35_is_an_overlap_no_source_documents():
     overlap pinned at any value their range is within 1.35, so the width is that
     unknown, not the rest of the model."""
     wide = []
-    for run in P.published_runs():
-        e = P.estimate_run(run)
+    for e in calibration_estimates():
+        run = e.run
         if e.mfu_high / e.mfu_low > 1.35:
             wide.append(run.name)
             assert P._documented_overlap(run) == (None, None)
@@ -706,6 +693,22 @@ def test_the_last_stage_sets_the_pace_with_its_own_layers():
     # With no slot short the last stage holds all 6 and the output layer.
     fwd6, _, rec6 = P._roofline(model, cluster, 4, 2, 6, "full", False, "point", ends_short=0)
     assert rec6 == pytest.approx(6 * layer) and fwd6 == pytest.approx(fwd + layer)
+
+
+def test_a_published_utilisation_restated_as_a_run():
+    # Korthikanti et al.'s 530B with full recomputation on 2,240 GPUs: 41.4 % of peak in
+    # 6N (chapter 12), so the step is 6 N x 2,240 x 2,048 / (2,240 x 312e12 x 0.414).
+    use = next(u for u in compute.PUBLISHED_UTILISATION if u.name.endswith("full recompute"))
+    base = next(r for r in P.published_runs() if r.name.startswith("GPT 530B on 2,240"))
+    run = P.restated_run(use, base, recompute="full", sequence_parallel=False)
+    assert (run.name, run.gpus, run.recompute) == (use.name, 2240, "full")
+    six_n = 6 * base.params * base.global_batch * base.seq_len
+    assert run.step_seconds == pytest.approx(six_n / (2240 * 312e12 * use.utilisation("6n")))
+    assert P.reported_mfu(run) == pytest.approx(use.utilisation("6n"))
+    with pytest.raises(ValueError, match="use"):
+        P.restated_run(base, base)
+    with pytest.raises(ValueError, match="estimates"):
+        P.calibration_targets([])
 
 
 def test_mfu_range_brackets_the_central_estimate():

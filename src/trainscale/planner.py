@@ -165,7 +165,7 @@ from trainscale.checkpointing import (
     selective_recompute_flops,
 )
 from trainscale.collectives import ring_factor
-from trainscale.compute import FLOPS_PER_PARAM_PER_TOKEN, mfu
+from trainscale.compute import FLOPS_PER_PARAM_PER_TOKEN, PublishedUtilisation, mfu
 from trainscale.context import (
     CAUSAL_WORK_SHARE,
     cp_beats_tp_local_tokens,
@@ -189,6 +189,7 @@ from trainscale.sharding import ZERO_COLLECTIVES, zero_collective_bytes
 __all__ = [  # this module's public names, and those it re-exports for chapter 13
     "A100_NODE",
     "ACTIVATION_PARTS",
+    "CALIBRATION_TARGETS",
     "COLLECTIVE_STEP_SECONDS",
     "DEEPSPEED_PIPELINE_SOURCES",
     "DOCUMENTED_OVERLAP",
@@ -226,6 +227,7 @@ __all__ = [  # this module's public names, and those it re-exports for chapter 1
     "PublishedRun",
     "RunEstimate",
     "activation_bytes_per_gpu",
+    "calibration_targets",
     "context_parallel_degrees",
     "estimate_run",
     "evaluate",
@@ -242,6 +244,7 @@ __all__ = [  # this module's public names, and those it re-exports for chapter 1
     "published_runs",
     "reported_mfu",
     "reported_mfu_6n",
+    "restated_run",
     "stage_params",
     "table4_seconds",
     "tile_overhead_k",
@@ -1051,7 +1054,11 @@ def _options(
     band: str = "point",
     schedule: object = "1f1b",
     fp32_gradients: object = False,
+    overlap: tuple[float | None, float | None] = (None, None),
+    overhead: float = 1.0,
 ) -> _Options:
+    """Checked options; ``overlap`` the ``(data, tensor)`` shares a run's software
+    documents (``None``: the band's), ``overhead`` the tiles' fixed cost's multiple."""
     return _Options(
         sequence_parallel=_checks.boolean("sequence_parallel", sequence_parallel),
         virtual_stages=_checks.count("virtual_stages", virtual_stages, minimum=1),
@@ -1063,6 +1070,9 @@ def _options(
         band=str(_checks.choice("band", band, tuple(OVERLAP))),
         schedule=str(_checks.choice("schedule", schedule, SCHEDULES)),
         fp32_gradients=_checks.boolean("fp32_gradients", fp32_gradients),
+        overlap_data=overlap[0],
+        overlap_tensor=overlap[1],
+        overhead=overhead,
     )
 
 
@@ -2083,13 +2093,8 @@ def _at_shape(
             continue
         for sp in c["sp"]:
             fp32 = _cites(run, FP32_GRADIENT_SOURCES)
-            data, tensor = _documented_overlap(run) if overlap is None else (overlap, overlap)
-            opt = dataclasses.replace(
-                _options(sp, v, None, USABLE_MEMORY, 1.0, band, "1f1b", fp32),
-                overlap_data=data,
-                overlap_tensor=tensor,
-                overhead=overhead,
-            )
+            shares = _documented_overlap(run) if overlap is None else (overlap, overlap)
+            opt = _options(sp, v, None, USABLE_MEMORY, 1.0, band, "1f1b", fp32, shares, overhead)
             candidates += [
                 _evaluate(
                     model, cluster, run.global_batch, run.tp, run.pp, run.dp, z, r, b, opt, cp
@@ -2190,17 +2195,15 @@ def mfu_range(
         raise ValueError(f"layout must be a valid layout, got one that is invalid: {layout.notes}")
 
     def at(band: str, overhead: float) -> Layout:
-        opt = dataclasses.replace(
-            _options(
-                layout.sequence_parallel,
-                layout.virtual_stages,
-                None,
-                USABLE_MEMORY,
-                1.0,
-                band,
-                schedule,
-                fp32_gradients,
-            ),
+        opt = _options(
+            layout.sequence_parallel,
+            layout.virtual_stages,
+            None,
+            USABLE_MEMORY,
+            1.0,
+            band,
+            schedule,
+            fp32_gradients,
             overhead=overhead,
         )
         return _evaluate(
@@ -2220,6 +2223,55 @@ def mfu_range(
 
     low, high = _range_ends(at)
     return low.mfu, high.mfu
+
+
+def restated_run(use: PublishedUtilisation, base: PublishedRun, **layout) -> PublishedRun:
+    """A published utilisation (:data:`trainscale.compute.PUBLISHED_UTILISATION`) as a run
+    :func:`estimate_run` can take: ``base``'s model and GPU type, ``use``'s name and GPU
+    count, the fields in ``layout`` replaced (TP, DP, batch, ...), and its step time from
+    the utilisation restated in 6N (chapter 12): the step's ``6 N`` FLOPs over the GPUs'
+    peak times that utilisation."""
+    if not isinstance(use, PublishedUtilisation):
+        raise ValueError(f"use must be a compute.PublishedUtilisation, got {type(use).__name__}")
+    run = dataclasses.replace(_published(base), name=use.name, gpus=use.gpus, **layout)
+    six_n_flops = 6 * run.params * run.tokens_per_step
+    seconds = six_n_flops / (use.gpus * use.peak_flops * use.utilisation("6n"))
+    return dataclasses.replace(run, step_seconds=seconds)
+
+
+CALIBRATION_TARGETS = {
+    "coverage": 0.90,
+    "median error": 0.10,
+    "within 1.35": 1.0,
+    "fits": 1.0,
+    "top 5": 0.70,
+}
+"""The calibration's targets (issue 12): the share of runs whose published MFU lies in
+the range (at least), the median of ``|estimate / published - 1|`` (at most), the share
+of ranges no wider than 1.35x, of published layouts that fit, and of published shapes
+among the planner's five fastest (at least)."""
+
+
+def calibration_targets(estimates: Sequence[RunEstimate]) -> dict[str, float]:
+    """How ``estimates`` (of :func:`estimate_run`) meet :data:`CALIBRATION_TARGETS`, with
+    the widest range (high / low) as well."""
+    if not estimates or not all(isinstance(e, RunEstimate) for e in estimates):
+        raise ValueError("estimates must be a non-empty sequence of planner.RunEstimate")
+    n = len(estimates)
+    published = [reported_mfu(e.run) for e in estimates]
+    errors = sorted(abs(e.mfu / p - 1) for e, p in zip(estimates, published, strict=True))
+    spans = [e.mfu_high / e.mfu_low for e in estimates]
+    return {
+        "coverage": sum(
+            e.mfu_low <= p <= e.mfu_high for e, p in zip(estimates, published, strict=True)
+        )
+        / n,
+        "median error": (errors[(n - 1) // 2] + errors[n // 2]) / 2,
+        "within 1.35": sum(span <= 1.35 for span in spans) / n,
+        "widest range": max(spans),
+        "fits": sum(e.fits for e in estimates) / n,
+        "top 5": sum(e.rank is not None and e.rank <= 5 for e in estimates) / n,
+    }
 
 
 GEMM_SHARE = gemm_share(1.0)
