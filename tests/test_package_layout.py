@@ -1,6 +1,8 @@
-"""The package's layout: one test file per module, and no module imports one from a higher layer."""
+"""The package's layout: one test file per module, and no module imports one from a higher layer
+(nor, inside the planner package, one later in its order)."""
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -35,9 +37,39 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # 4: what a reader sees.
     ("figures.*", "widgets", "quiz"),
     # 5: what puts it all together.
-    ("planner", "planner_cli", "train", "__main__"),
+    ("planner.*", "train", "__main__"),
 )
 """Layers, lowest first: a module may import modules of its own layer or lower ones."""
+
+PLANNER_ORDER: tuple[str, ...] = (
+    "planner.inputs",
+    "planner.memory",
+    "planner.traffic",
+    "planner.kernels",
+    "planner.layout",
+    "planner.step",
+    "planner.search",
+    "planner.calibration",
+    "planner.__init__",
+    "planner.commands",
+    "planner.cli",
+    "planner.__main__",
+)
+"""The planner package's modules in the order of chapter 13's sections, from what the
+planner is given to its command line: a module may import only those before it (the
+package's ``__init__`` re-exports the model for chapter 13; the command line builds on it)."""
+
+PACKAGE_TEST_FILES = {"planner": "test_planner.py"}
+"""Packages whose modules share one test file: the planner was one module until it was
+split by chapter 13's sections, and ``tests/test_planner.py`` tests it through the
+package's names. A module of such a package with a test file of its own
+(``planner.cli`` -> ``test_planner_cli.py``) is tested there instead."""
+
+SHARED_TEST_FILES = {
+    "planner.commands": "test_planner_cli.py",  # the commands the command line prints
+    "planner.__main__": "test_planner_cli.py",  # runs python -m trainscale.planner
+}
+"""Modules tested in another module's test file, and why."""
 
 ALLOWED_UPWARD_IMPORTS: dict[tuple[str, str], str] = {}
 """Known upward imports, ``(importer, imported): why``. Empty: the package keeps its
@@ -134,17 +166,82 @@ def expected_test_file(module: str) -> str:
     return "test_" + "_".join(part.strip("_") for part in module.split(".")) + ".py"
 
 
+def covering_test_file(module: str) -> str:
+    """The test file that tests ``module``: :data:`SHARED_TEST_FILES`, else its own
+    (:func:`expected_test_file`) if it exists, else its package's (:data:`PACKAGE_TEST_FILES`),
+    else its own (missing)."""
+    if module in SHARED_TEST_FILES:
+        return SHARED_TEST_FILES[module]
+    own = expected_test_file(module)
+    package = module.split(".")[0]
+    if not (TESTS / own).is_file() and "." in module and package in PACKAGE_TEST_FILES:
+        return PACKAGE_TEST_FILES[package]
+    return own
+
+
+def defined_names(module: str) -> set[str]:
+    """The names ``module`` defines at its top level (functions, classes, assignments)."""
+    tree = ast.parse(PACKAGE.joinpath(*module.split(".")).with_suffix(".py").read_text())
+    names = set()
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+    return names - {"__all__"}
+
+
+def later_planner_imports() -> set[tuple[str, str]]:
+    """Every ``(importer, imported)`` pair inside the planner package where ``imported``
+    comes at or after ``importer`` in :data:`PLANNER_ORDER`."""
+    order = PLANNER_ORDER.index
+    pairs = set()
+    for module in PLANNER_ORDER:
+        source = PACKAGE.joinpath(*module.split(".")).with_suffix(".py").read_text()
+        for imported in imported_modules(source, module):
+            if imported in PLANNER_ORDER and order(imported) >= order(module):
+                pairs.add((module, imported))
+    return pairs
+
+
 # --- one test file per module -------------------------------------------------------------
 
 
 def test_every_module_has_its_own_test_file():
     modules = [m for m in _modules() if not m.endswith("__init__")]
     missing = [
-        f"{m} -> tests/{expected_test_file(m)}"
+        f"{m} -> tests/{covering_test_file(m)}"
         for m in modules
-        if not (TESTS / expected_test_file(m)).is_file()
+        if not (TESTS / covering_test_file(m)).is_file()
     ]
     assert missing == []
+
+
+def test_a_shared_test_file_names_something_of_each_module_it_tests():
+    # A module mapped to another's test file must at least be reached from there: one of
+    # the names it defines appears in that file (the planner's through ``P.NAME``).
+    modules = [m for m in _modules() if not m.endswith("__init__")]
+    shared = [m for m in modules if covering_test_file(m) != expected_test_file(m)]
+    assert "planner.kernels" in shared and "planner.commands" in shared
+    unreached = []
+    for module in shared:
+        if module.endswith("__main__"):
+            continue  # defines nothing; SHARED_TEST_FILES says where it is run
+        text = (TESTS / covering_test_file(module)).read_text()
+        if not any(re.search(rf"\b{re.escape(name)}\b", text) for name in defined_names(module)):
+            unreached.append(f"{module} -> tests/{covering_test_file(module)}")
+    assert unreached == []
+
+
+def test_shared_test_files_are_kept_for_modules_without_their_own():
+    assert covering_test_file("planner.kernels") == "test_planner.py"
+    assert covering_test_file("planner.cli") == "test_planner_cli.py"
+    assert covering_test_file("planner.__main__") == "test_planner_cli.py"
+    assert covering_test_file("memory") == "test_memory.py"
+    assert covering_test_file("figures.style") == "test_figures_style.py"
+    assert covering_test_file("figures.nonexistent") == "test_figures_nonexistent.py"
 
 
 def test_test_file_names_follow_the_modules():
@@ -157,7 +254,7 @@ def test_test_file_names_follow_the_modules():
 
 def test_the_package_has_only_the_subpackages_the_rules_know():
     folders = {_module_name(p).split(".")[0] for p in PACKAGE.rglob("*/*.py")}
-    assert folders == {"figures", "workers"}
+    assert folders == {"figures", "workers", "planner"}
 
 
 # --- the layers -----------------------------------------------------------------------------
@@ -173,6 +270,34 @@ def test_no_module_imports_one_from_a_higher_layer():
 
 def test_every_allowed_upward_import_is_still_needed():
     assert ALLOWED_UPWARD_IMPORTS.keys() <= upward_imports()
+
+
+# --- the planner package's order --------------------------------------------------------------
+
+
+def test_the_planner_order_names_every_module_of_the_package():
+    assert sorted(PLANNER_ORDER) == [m for m in _modules() if m.startswith("planner.")]
+
+
+def test_no_planner_module_imports_one_later_in_the_order():
+    assert later_planner_imports() == set()
+
+
+def test_the_planner_order_is_what_its_modules_import():
+    # Not vacuous: the modules do import each other, the later ones the earlier ones.
+    source = PACKAGE.joinpath("planner", "step.py").read_text()
+    imported = imported_modules(source, "planner.step")
+    assert {"planner.inputs", "planner.kernels", "planner.traffic"} <= imported
+    cli = imported_modules(PACKAGE.joinpath("planner", "cli.py").read_text(), "planner.cli")
+    assert {"planner.__init__", "planner.commands"} <= cli
+
+
+def test_a_planner_import_against_the_order_would_be_caught():
+    # The model's inputs reaching forward to the search, inside a function.
+    source = "def f():\n    from trainscale.planner.search import plan\n    return plan\n"
+    imported = imported_modules(source, "planner.inputs")
+    order = PLANNER_ORDER.index
+    assert [m for m in imported if order(m) > order("planner.inputs")] == ["planner.search"]
 
 
 def test_imports_are_found_in_functions_but_not_under_type_checking():
@@ -214,6 +339,9 @@ def draw():
         ("figures.__init__", 4),
         ("figures.style", 4),
         ("__main__", 5),
+        ("planner.__init__", 5),
+        ("planner.kernels", 5),
+        ("planner.__main__", 5),
     ],
 )
 def test_layers_by_hand(module, layer):
@@ -224,4 +352,4 @@ def test_a_new_upward_import_would_be_caught():
     # A formula module (layer 1) reaching up to the planner (layer 5) inside a function.
     source = "def f():\n    from trainscale import planner\n    return planner\n"
     imported = imported_modules(source, "compute")
-    assert [m for m in imported if layer_of(m) > layer_of("compute")] == ["planner"]
+    assert [m for m in imported if layer_of(m) > layer_of("compute")] == ["planner.__init__"]

@@ -12,6 +12,15 @@ from trainscale import checkpointing, collectives, compute, context, experts, sh
 from trainscale import planner as P
 from trainscale.compute import training_seconds
 from trainscale.memory import model_state_bytes
+from trainscale.planner.calibration import _choices, _documented_overlap
+from trainscale.planner.kernels import (
+    _forward_and_backward,
+    _fused_attention_seconds,
+    _gemm_share_on,
+    _layer_times,
+    _roofline,
+)
+from trainscale.planner.traffic import _data_parallel_seconds, _zero3_extra, _zero3_prefetch
 
 # The hand-worked numbers below take a batch of 64 sequences (the chapter's example now
 # takes P.EXAMPLE_GLOBAL_BATCH, 1,024; nbval and tests/test_main.py check what it prints).
@@ -507,10 +516,10 @@ def test_gemm_roofline_and_waves_by_hand():
 def test_zero3_regathers_under_full_recompute_and_pays_ring_latency():
     # 1e9 parameters per GPU over DP 4: the forward gather sends 3/4 x 2e9 bytes,
     # 1.5 s at 1e9 B/s; 10 layers x (3 collectives + the regather) x 3 ring steps x 5 us.
-    regather, latency = P._zero3_extra(10**9, 4, 3, "full", 10, 1e9)
+    regather, latency = _zero3_extra(10**9, 4, 3, "full", 10, 1e9)
     assert regather == pytest.approx(1.5) and latency == pytest.approx(10 * 4 * 3 * 5e-6)
-    assert P._zero3_extra(10**9, 4, 3, "selective", 10, 1e9)[0] == 0.0
-    assert P._zero3_extra(10**9, 4, 1, "full", 10, 1e9) == (0.0, 0.0)
+    assert _zero3_extra(10**9, 4, 3, "selective", 10, 1e9)[0] == 0.0
+    assert _zero3_extra(10**9, 4, 1, "full", 10, 1e9) == (0.0, 0.0)
 
 
 @functools.cache
@@ -555,7 +564,7 @@ def test_every_range_over_1_35_is_an_overlap_no_source_documents():
         run = e.run
         if e.mfu_high / e.mfu_low > 1.35:
             wide.append(run.name)
-            assert P._documented_overlap(run) == (None, None)
+            assert _documented_overlap(run) == (None, None)
             for overlap in (0.0, 0.5, 1.0):
                 pinned = P.estimate_run(run, overlap=overlap)
                 assert pinned.mfu_high / pinned.mfu_low <= 1.35, (run.name, overlap)
@@ -610,11 +619,11 @@ def test_the_share_moves_to_another_gpu_by_its_fastest_measured_gemm():
     h100 = P.Cluster(nodes=1, **P.H100_NODE)
     a100 = P.Cluster(nodes=1, **P.A100_NODE)
     ratio = P.GPUS["H100-80GB"].max_matmul_share / P.GPUS["A100-80GB"].max_matmul_share
-    assert P._gemm_share_on(h100, "point", 1.0) == pytest.approx(P.GEMM_SHARE["point"] * ratio)
-    assert P._gemm_share_on(a100, "point", 1.0) == P.GEMM_SHARE["point"]
+    assert _gemm_share_on(h100, "point", 1.0) == pytest.approx(P.GEMM_SHARE["point"] * ratio)
+    assert _gemm_share_on(a100, "point", 1.0) == P.GEMM_SHARE["point"]
     unmeasured = P.Cluster(nodes=1, **P.node_settings("RTX 4090", 32e9))
     assert unmeasured.max_matmul_share is None
-    assert P._gemm_share_on(unmeasured, "high", 1.0) == P.GEMM_SHARE["high"]
+    assert _gemm_share_on(unmeasured, "high", 1.0) == P.GEMM_SHARE["high"]
     with pytest.raises(ValueError, match="max_matmul_share"):
         P.Cluster(nodes=1, **{**P.H100_NODE, "max_matmul_share": 1.5})
 
@@ -622,16 +631,16 @@ def test_the_share_moves_to_another_gpu_by_its_fastest_measured_gemm():
 def test_documented_overlap_follows_the_runs_software():
     runs = {run.name: run for run in P.published_runs()}
     # Megatron-LM of April 2021: gradients all-reduced after the backward, synchronous TP.
-    assert P._documented_overlap(runs["GPT 1.7B on 32 A100s"]) == (0.0, 0.0)
+    assert _documented_overlap(runs["GPT 1.7B on 32 A100s"]) == (0.0, 0.0)
     # Megatron-LM of May 2022: the same all-reduce, and the async TP all-reduce.
-    assert P._documented_overlap(runs["GPT 22B on 8 A100s, full recompute"]) == (0.0, 1.0)
+    assert _documented_overlap(runs["GPT 22B on 8 A100s, full recompute"]) == (0.0, 1.0)
     # Narayanan et al.'s ZeRO-3 rows ran DeepSpeed's data parallelism: not documented.
-    assert P._documented_overlap(runs["GPT 174.6B on 384 A100s, ZeRO-3"]) == (None, None)
+    assert _documented_overlap(runs["GPT 174.6B on 384 A100s, ZeRO-3"]) == (None, None)
     # BLOOM's pipeline ran on DeepSpeed's engine: gradients reduced after the flush, one
     # model chunk per GPU, ZeRO 0 or 1; its tensor parallelism's overlap is not documented.
     bloom = runs["BLOOM 176B on 384 A100s"]
-    assert P._documented_overlap(bloom) == (0.0, None)
-    choices = P._choices(dataclasses.replace(bloom, zero_stage=None))
+    assert _documented_overlap(bloom) == (0.0, None)
+    choices = _choices(dataclasses.replace(bloom, zero_stage=None))
     assert choices["v"] == (1,) and choices["zero_stages"] == (0, 1)
     assert P.estimate_run(bloom).layout.virtual_stages == 1
 
@@ -657,7 +666,7 @@ def test_each_forward_gemm_has_two_gradient_gemms_at_their_own_shapes():
     gemm = functools.partial(
         P.gemm_seconds, peak_flops=1e15, bandwidth=3.35e12, share=0.5, multiprocessors=128
     )
-    forward, backward = P._forward_and_backward(gemm, 8192, 1024, 8192)
+    forward, backward = _forward_and_backward(gemm, 8192, 1024, 8192)
     assert forward == gemm(8192, 1024, 8192)
     assert backward == gemm(8192, 8192, 1024) + gemm(1024, 8192, 8192)
     k0 = 0.5e15 / 3.35e12
@@ -669,14 +678,14 @@ def test_a_fused_attention_backward_takes_two_and_a_half_forwards():
     # 4 (sequence, head) pairs, 1,024 queries against 4,096 keys of dimension 128:
     # 2 x 2 x 1024 x 4096 x 128 FLOPs each, half of them past the causal diagonal, at
     # 1e15 FLOP/s; the backward's five products for the forward's two.
-    forward, backward = P._fused_attention_seconds(4, 1024, 4096, 128, 1e15)
+    forward, backward = _fused_attention_seconds(4, 1024, 4096, 128, 1e15)
     assert forward == pytest.approx(4 * 2 * 2 * 1024 * 4096 * 128 * 0.5 / 1e15)
     assert backward == pytest.approx(5 / 2 * forward)
     # The layer's score part is the kernel's forward (Llama 3 8B at 131K, TP 8: 4 heads).
-    share = P._gemm_share_on(TWO_NODES, "point", 1.0)
-    _, scores, _ = P._layer_times(LONG_8B, TWO_NODES, 8, 1, True, "point")
+    share = _gemm_share_on(TWO_NODES, "point", 1.0)
+    _, scores, _ = _layer_times(LONG_8B, TWO_NODES, 8, 1, True, "point")
     assert scores == pytest.approx(
-        P._fused_attention_seconds(4, 131072, 131072, 128, share * 989e12)[0]
+        _fused_attention_seconds(4, 131072, 131072, 128, share * 989e12)[0]
     )
 
 
@@ -686,12 +695,12 @@ def test_the_last_stage_sets_the_pace_with_its_own_layers():
     # work). It is the slower stage, and it recomputes its own 5 layers, not 6.
     run = next(r for r in P.published_runs() if r.name.startswith("BLOOM"))
     model, cluster = P.published_model(run), P.published_cluster(run)
-    layer, _, layer_back = P._layer_times(model, cluster, 4, 2, False, "point")
-    fwd, bwd, rec = P._roofline(model, cluster, 4, 2, 6, "full", False, "point", ends_short=2)
+    layer, _, layer_back = _layer_times(model, cluster, 4, 2, False, "point")
+    fwd, bwd, rec = _roofline(model, cluster, 4, 2, 6, "full", False, "point", ends_short=2)
     assert rec == pytest.approx(5 * layer)
     assert fwd > 6 * layer and bwd > 6 * layer_back  # the output layer outweighs a layer
     # With no slot short the last stage holds all 6 and the output layer.
-    fwd6, _, rec6 = P._roofline(model, cluster, 4, 2, 6, "full", False, "point", ends_short=0)
+    fwd6, _, rec6 = _roofline(model, cluster, 4, 2, 6, "full", False, "point", ends_short=0)
     assert rec6 == pytest.approx(6 * layer) and fwd6 == pytest.approx(fwd + layer)
 
 
@@ -882,12 +891,12 @@ def test_the_embedding_and_output_layer_may_take_a_chunk_each():
 def test_zero3_prefetch_exposes_only_what_outlasts_each_layer():
     # 4 layers, 1,000 parameters per GPU over 2 GPUs at 1 byte/s: a gather sends
     # 2 x 1,000 x 1/2 = 1,000 bytes, 250 s per layer; a reduce-scatter the same.
-    exposed = P._zero3_prefetch(1000, 2, "none", 4, 1.0, forward=400.0, backward=1600.0)
+    exposed = _zero3_prefetch(1000, 2, "none", 4, 1.0, forward=400.0, backward=1600.0)
     # forward: first gather 250 + 3 x max(0, 250 - 100) = 700; backward: first gather
     # 250 + 3 x max(0, 250 + 250 - 400) + last reduce-scatter 250 = 800.
     assert exposed == 700 + 800
     # Enough compute hides every gather but the first and the last reduce-scatter.
-    assert P._zero3_prefetch(1000, 2, "none", 4, 1.0, 4000.0, 8000.0) == 250 + 250 + 250
+    assert _zero3_prefetch(1000, 2, "none", 4, 1.0, 4000.0, 8000.0) == 250 + 250 + 250
 
 
 def test_zero_bubble_schedule_idles_less_than_1f1b():
@@ -911,8 +920,8 @@ def test_fp32_gradients_double_the_gradient_bytes_in_memory_and_on_the_wire():
     assert fp32.memory_parts["weights"] == bf16.memory_parts["weights"]
     # 1,000 parameters over 2 GPUs at 1 byte/s: a ring all-reduce sends 2 x (1/2) x 1,000
     # values, 4,000 bytes in fp32 (2,000 in bf16), all exposed with no compute to hide under.
-    assert P._data_parallel_seconds(1000, 2, 0, 1.0, 0.0, 0.0, 4) == (0.0, 4000.0)
-    assert P._data_parallel_seconds(1000, 2, 0, 1.0, 0.0, 0.0, 2) == (0.0, 2000.0)
+    assert _data_parallel_seconds(1000, 2, 0, 1.0, 0.0, 0.0, 4) == (0.0, 4000.0)
+    assert _data_parallel_seconds(1000, 2, 0, 1.0, 0.0, 0.0, 2) == (0.0, 2000.0)
 
 
 def test_zero2_reduce_scatter_hides_under_the_next_micro_batch_too():
@@ -920,10 +929,10 @@ def test_zero2_reduce_scatter_hides_under_the_next_micro_batch_too():
     # each send 1,000 bytes (1,000 s). Forward 100 s, backward 300 s.
     # One micro-batch: the reduce-scatter has the backward only (700 exposed), the
     # all-gather of updated weights the next forward (900, once per step).
-    assert P._data_parallel_seconds(1000, 2, 2, 1.0, 100.0, 300.0, 2, 1) == (700.0, 900.0)
+    assert _data_parallel_seconds(1000, 2, 2, 1.0, 100.0, 300.0, 2, 1) == (700.0, 900.0)
     # Many: all but the last reduce-scatter run under the next forward too (600 each);
     # the last exposes 100 more, once, beside the all-gather's 900.
-    assert P._data_parallel_seconds(1000, 2, 2, 1.0, 100.0, 300.0, 2, 8) == (600.0, 1000.0)
+    assert _data_parallel_seconds(1000, 2, 2, 1.0, 100.0, 300.0, 2, 8) == (600.0, 1000.0)
 
 
 # --- Context and expert parallelism (chapters 14 and 15) -------------------------------------
@@ -1048,11 +1057,11 @@ def test_a_fused_causal_kernel_computes_half_the_scores_and_cp_splits_them():
     # per (sequence, head) pair 2 products x 2 s^2 d FLOPs x 1/2, at the central GEMM
     # share of 989e12 FLOP/s. Llama 3 8B's shape at 131,072 tokens, TP 8: 32 / 8 = 4
     # heads of 128 per GPU.
-    _, scores, _ = P._layer_times(LONG_8B, TWO_NODES, 8, 1, True, "point")
+    _, scores, _ = _layer_times(LONG_8B, TWO_NODES, 8, 1, True, "point")
     share = P.GEMM_SHARE["point"] * (794.5 / 989) / (271.2 / 312)  # A100's, moved to an H100
     hand = 4 * 2 * 2 * 131072**2 * 128 * 0.5 / (share * 989e12)
     assert scores == pytest.approx(hand, rel=1e-12)
-    _, split, _ = P._layer_times(LONG_8B, TWO_NODES, 8, 1, True, "point", 4)
+    _, split, _ = _layer_times(LONG_8B, TWO_NODES, 8, 1, True, "point", 4)
     assert split == pytest.approx(hand / 4, rel=1e-12)
 
 

@@ -8,7 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from trainscale import planner, planner_cli, train
+from trainscale import planner, train
+from trainscale.planner import cli as planner_cli
 from trainscale.published import published_runs
 
 

@@ -82,7 +82,11 @@ def planner() -> list[tuple[str, float]]:
     layouts = p.plan(model, cluster, global_batch=3072)
     seconds = time.perf_counter() - started
     rows = [(f"planner: {len(layouts):,} layouts, 1T on 16,384 GPUs", seconds)]
-    for cached in (p._layer_times_at, p._activations, p._state):  # start cold again
+    for cached in (
+        p.kernels._layer_times_at,
+        p.memory._activations,
+        p.memory._state,
+    ):  # start cold again
         cached.cache_clear()
     started = time.perf_counter()  # every interleaving depth estimate_run searches
     count = sum(len(p.plan(model, cluster, 3072, virtual_stages=v)) for v in p.INTERLEAVING)

@@ -20,31 +20,54 @@ the planner's estimate of the published layout, with its range
 scales the best layout down to a tiny model that runs on N gloo processes on a
 CPU, with the same kinds of parallelism (:func:`laptop_shape`), and prints that
 command too.
-
-How a planner layout becomes the capstone's flags (:func:`train_flags`): ZeRO-0
-is plain replication (``--dp-replicate``); ZeRO-1, 2 and 3 become FSDP2's
-sharding (``--dp-shard``), which shards parameters as well (ZeRO-3), so it needs
-no more memory than the planner counted; selective recomputation becomes
-``--checkpoint-activations``, which recomputes whole blocks (more compute, less
-memory than planned); an interleaving depth above 1 becomes ``--pp-schedule
-interleaved --virtual-stages V``. The printed commands use the c10d rendezvous
-on ``$HEAD_NODE:29500`` on a cluster, on 127.0.0.1 on a laptop.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import re
-import shlex
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from trainscale import _checks, planner
 from trainscale.memory import GIB
+from trainscale.planner.commands import (
+    LAPTOP_MODEL,
+    _laptop_lines,
+    _lines,
+    _shape_note,
+    laptop_command,
+    laptop_flags,
+    laptop_shape,
+    refusal,
+    train_flags,
+)
 from trainscale.published import GPUS, PublishedRun, published_runs
+
+__all__ = [  # the command line's names, and those it re-exports from planner.commands
+    "DEFAULT_GPU",
+    "LAPTOP_MODEL",
+    "MODEL_FLAGS",
+    "Preset",
+    "Request",
+    "cluster_command",
+    "describe",
+    "laptop_command",
+    "laptop_flags",
+    "laptop_shape",
+    "layout_table",
+    "main",
+    "parse",
+    "parser",
+    "preset_name",
+    "presets",
+    "refusal",
+    "report",
+    "train_flags",
+]
+
 
 DEFAULT_GPU = "H100-80GB"
 """The GPU of the book's worked example (:data:`trainscale.planner.EXAMPLE_CLUSTER`),
@@ -99,6 +122,7 @@ def presets() -> dict[str, Preset]:
 
 
 # --------------------------------------------------------------------------- arguments
+
 
 MODEL_FLAGS = {
     "params": "parameters in total, embeddings included",
@@ -253,39 +277,6 @@ def parse(argv: Sequence[str] | None = None) -> Request | None:
 # --------------------------------------------------------------------------- commands
 
 
-def _data_parallel_flags(zero_stage: int, dp: int) -> list[str]:
-    """ZeRO-0 replicates (DDP); any ZeRO stage shards with FSDP2 (ZeRO-3)."""
-    return ["--dp-replicate", str(dp)] if zero_stage == 0 else ["--dp-shard", str(dp)]
-
-
-def _schedule_flags(pp: int, virtual_stages: int) -> list[str]:
-    if pp == 1:
-        return []
-    if virtual_stages > 1:
-        return ["--pp-schedule", "interleaved", "--virtual-stages", str(virtual_stages)]
-    return ["--pp-schedule", "1f1b"]
-
-
-def train_flags(layout: planner.Layout, model: planner.Model, peak_flops: float) -> list[str]:
-    """``python -m trainscale.train``'s flags for ``layout`` of ``model`` on GPUs of
-    ``peak_flops`` (FLOP/s, for the MFU in the training log), in bf16."""
-    if layout.accumulation is None:
-        raise ValueError(f"layout must be a valid one, got verdict {layout.verdict!r}")
-    flags = [
-        *("--tp", str(layout.tp), "--pp", str(layout.pp)),
-        *_data_parallel_flags(layout.zero_stage, layout.dp),
-        *(["--cp", str(layout.cp)] if layout.cp > 1 else []),  # ring attention, chapter 14
-        *_schedule_flags(layout.pp, layout.virtual_stages),
-        *("--micro-batch", str(layout.micro_batch), "--grad-accum", str(layout.accumulation)),
-        *(["--checkpoint-activations"] if layout.recompute != "none" else []),
-        "--bf16",
-        *("--layers", str(model.layers), "--width", str(model.hidden)),
-        *("--heads", str(model.heads), "--seq-len", str(model.seq_len)),
-        *("--vocab", str(model.vocab), "--peak-flops", f"{peak_flops:g}"),
-    ]
-    return flags
-
-
 def cluster_command(layout: planner.Layout, request: Request) -> str:
     """The ``torchrun`` command each node of the cluster runs for ``layout``."""
     cluster = request.cluster
@@ -297,112 +288,6 @@ def cluster_command(layout: planner.Layout, request: Request) -> str:
     ]
     flags = train_flags(layout, request.model, cluster.peak_flops)
     return _lines(launcher, flags)
-
-
-def laptop_shape(layout: planner.Layout, ranks: int) -> tuple[int, int, int]:
-    """``(TP, PP, DP)`` on ``ranks`` CPU processes, keeping the layout's kinds of parallelism.
-
-    The prime factors of ``ranks``, largest first, go first to each of the
-    layout's dimensions above 1 (TP, then PP, then DP), as long as it does not
-    grow beyond the layout's own size, then to the dimension furthest below its
-    size; what is left goes to DP. ``TP 8 x PP 4 x DP 2`` on 8 ranks becomes
-    ``TP 2 x PP 2 x DP 2``; on 4 ranks, ``TP 2 x PP 2 x DP 1``.
-    """
-    n = _checks.count("ranks", ranks, minimum=1)
-    target = [layout.tp, layout.pp, layout.dp]
-    shape = [1, 1, 1]
-    for factor in _prime_factors(n):
-        room = [i for i in range(3) if shape[i] * factor <= target[i]]
-        fresh = [i for i in room if shape[i] == 1]
-        if fresh:
-            pick = fresh[0]
-        elif room:
-            pick = max(room, key=lambda i: target[i] / shape[i])
-        else:
-            pick = 2
-        shape[pick] *= factor
-    return shape[0], shape[1], shape[2]
-
-
-def _prime_factors(n: int) -> list[int]:
-    """Prime factors of ``n``, with repeats, largest first."""
-    factors, rest, p = [], n, 2
-    while p * p <= rest:
-        while rest % p == 0:
-            factors.append(p)
-            rest //= p
-        p += 1
-    if rest > 1:
-        factors.append(rest)
-    return sorted(factors, reverse=True)
-
-
-LAPTOP_MODEL = {"head_dim": 16, "seq_len": 32, "vocab": 64, "micro_batch": 2, "steps": 10}
-"""The tiny model of ``--laptop``: 16 numbers per head (at least 4 heads, a multiple
-of TP), sequences of (at least) 32 tokens, a multiple of TP, from 64 token ids,
-2 sequences per micro-batch, 10 optimiser steps. One layer per pipeline stage and
-chunk (at least 2), and twice as many micro-batches per step as stages."""
-
-
-def laptop_flags(layout: planner.Layout, ranks: int, peak_flops: float | None = None) -> list[str]:
-    """``python -m trainscale.train``'s flags for ``layout`` scaled down to ``ranks`` CPU
-    processes (:func:`laptop_shape`): a tiny model of the same kind, fp32, few steps;
-    with ``peak_flops`` (one process's peak FLOP/s, e.g. measured as in chapter 12) the
-    training log reports MFU."""
-    tp, pp, dp = laptop_shape(layout, ranks)
-    virtual = layout.virtual_stages if pp > 1 else 1
-    heads = tp * math.ceil(4 / tp)
-    layers = max(2, pp * virtual)
-    tiny = LAPTOP_MODEL
-    if peak_flops is None:
-        mfu = []
-    else:
-        mfu = ["--peak-flops", f"{_checks.positive('peak_flops', peak_flops):g}"]
-    return [
-        *("--tp", str(tp), "--pp", str(pp)),
-        *_data_parallel_flags(layout.zero_stage, dp),
-        *_schedule_flags(pp, virtual),
-        *("--micro-batch", str(tiny["micro_batch"]), "--grad-accum", str(2 * pp)),
-        *(["--checkpoint-activations"] if layout.recompute != "none" else []),
-        *("--layers", str(layers), "--width", str(tiny["head_dim"] * heads)),
-        *("--heads", str(heads), "--seq-len", str(tp * math.ceil(tiny["seq_len"] / tp))),
-        *("--vocab", str(tiny["vocab"])),
-        *("--steps", str(tiny["steps"]), "--warmup", "2", "--log-every", "1"),
-        *mfu,
-    ]
-
-
-def laptop_command(layout: planner.Layout, ranks: int) -> str:
-    """The ``torchrun`` command that runs :func:`laptop_flags` on this machine, with gloo
-    on the loopback interface."""
-    launcher = [
-        "GLOO_SOCKET_IFNAME=lo",
-        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
-        "torchrun",
-        *("--nnodes=1", f"--nproc-per-node={ranks}"),
-        *("--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:29500", "--local-addr=127.0.0.1"),
-    ]
-    return _lines(launcher, laptop_flags(layout, ranks))
-
-
-def _lines(launcher: list[str], flags: list[str]) -> str:
-    """``launcher -m trainscale.train flags``, broken into lines of shell continuation,
-    each flag next to its value."""
-    words = [a if "$" in a else shlex.quote(a) for a in launcher]
-    words.append("-m trainscale.train")
-    for arg in flags:
-        if arg.startswith("--"):
-            words.append(arg)
-        else:
-            words[-1] += " " + shlex.quote(arg)
-    lines, line = [], ""
-    for word in words:
-        if line and len(line) + len(word) > 76:
-            lines.append(line)
-            line = ""
-        line = f"{line} {word}".strip()
-    lines.append(line)
-    return " \\\n    ".join(lines)
 
 
 # --------------------------------------------------------------------------- report
@@ -453,19 +338,6 @@ def layout_table(
     return lines
 
 
-def refusal(flags: list[str], ranks: int) -> str | None:
-    """Why :mod:`trainscale.train` would refuse ``flags`` on ``ranks`` processes (its own
-    checks: layers per stage, heads per TP rank, micro-batches in the pipeline...),
-    or ``None`` if it takes them."""
-    from trainscale import train  # imports torch: only when a command is to be printed
-
-    try:
-        train.parse_args(flags).layout(ranks)
-    except ValueError as error:
-        return str(error)
-    return None
-
-
 def _runnable(best: Sequence[planner.Layout], request: Request) -> tuple[int | None, list[str]]:
     """The place in ``best`` of the first layout the capstone can run, and a note for
     each faster one it cannot."""
@@ -497,37 +369,6 @@ def _published_lines(run: PublishedRun) -> list[str]:
         f" {estimate.mfu:.1%} (range {estimate.mfu_low:.1%}-{estimate.mfu_high:.1%}),",
         f"  published {planner.reported_mfu(run):.1%} (6N); it {fits} in"
         f" {estimate.memory_bytes / GIB:.1f} GiB per GPU; {place}",
-        "",
-    ]
-
-
-def _shape_note(model: planner.Model) -> list[str]:
-    """A note when the capstone's decoder (multi-head attention, a plain 4h MLP) differs
-    from the planned model's shape."""
-    differences = []
-    if model.kv_heads not in (None, model.heads):
-        differences.append(f"{model.kv_heads} key-value heads")
-    if model.experts:
-        differences.append(f"{model.experts} experts (chapter 15; the capstone has none)")
-    if model.ffn_hidden not in (None, 4 * model.hidden) or model.gated_mlp:
-        gated = "gated " if model.gated_mlp else ""
-        differences.append(f"a {gated}MLP of width {model.ffn_hidden or 4 * model.hidden:,}")
-    if not differences:
-        return []
-    return [
-        f"note: trainscale.train builds a GPT block (as many key-value heads as heads, an MLP"
-        f" of width 4 x --width), not this model's {' and '.join(differences)}",
-        "",
-    ]
-
-
-def _laptop_lines(layout: planner.Layout, ranks: int) -> list[str]:
-    tp, pp, dp = laptop_shape(layout, ranks)
-    return [
-        f"the same kinds of parallelism on this computer: TP {tp} x PP {pp} x DP {dp},"
-        f" a tiny model on {ranks} CPU processes",
-        "",
-        laptop_command(layout, ranks),
         "",
     ]
 

@@ -1,0 +1,367 @@
+"""Kernels: the calibrated model's compute, every kernel of a layer at its roofline.
+
+:func:`gemm_seconds` is one GEMM at its roofline (wave quantisation and each tile's
+fixed cost, :func:`tile_overhead_k`); :func:`_layer_times_at` a layer's forward and
+backward, :func:`_roofline` a stage's; the GEMM share is read off Korthikanti et al.'s
+Table 4 (:data:`TABLE4_SECONDS`, :func:`table4_seconds`, :func:`gemm_share`,
+:data:`GEMM_SHARE`) and the tiles' fixed cost spans :func:`tile_overhead_range`.
+:mod:`trainscale.planner.step` lists every term of the step time with its source.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+from trainscale import _checks
+from trainscale.checkpointing import layer_activation_bytes
+from trainscale.context import CAUSAL_WORK_SHARE
+from trainscale.planner.inputs import Cluster, Model, published_cluster, published_model
+from trainscale.planner.traffic import _tensor_collective_seconds
+from trainscale.published import GPUS, published_runs
+
+TABLE4_SECONDS = {"forward": 7.7e-3, "backward": 11.9e-3}
+"""The one measurement the roofline's GEMM share is read off: Korthikanti et al.
+(arXiv 2205.05198), Table 4, one transformer layer of their 22B model (width 6,144,
+64 heads, 2,048 tokens, micro-batch 4) on 8 A100s with TP 8, without sequence
+parallelism or recomputation: 7.7 ms forward, 11.9 ms backward."""
+
+TABLE4_GPU = "A100-80GB"
+"""The GPU :data:`TABLE4_SECONDS` was measured on (a key of :data:`trainscale.published.GPUS`)."""
+
+TABLE4_RUN = "GPT 22B on 8 A100s, full recompute"
+"""The calibration row (:func:`trainscale.published.published_runs`) whose model and
+GPUs :data:`TABLE4_SECONDS` timed."""
+
+ELEMENTWISE_TRAFFIC = {"low": 4.0, "point": 3.0, "high": 2.0}
+"""Bytes the element-wise kernels (norms, softmax, dropout, GeLU, residual adds) move
+per byte of activation a layer keeps for backward, over forward and backward
+together, by band (pessimistic ``low``). Derivation: each kept activation is written
+once forward and read once backward (2); the backward writes a gradient of each and
+reads inputs it did not keep (up to 2 more)."""
+
+
+TILE = (256, 128)
+"""Output tile of one thread block in a large cuBLAS bf16 GEMM, rows x columns (NVIDIA's
+"Matrix Multiplication Background" user's guide, section 2.3, lists 256 x 128 as the
+most efficient of its typical tiles)."""
+
+
+def tile_overhead_k(share: float, peak_flops: float, bandwidth: float) -> float:
+    """A tile's fixed cost, first order, in steps of its main loop counted in units of ``k``.
+
+    After its last multiply a tile writes its ``2 x 256 x 128`` bytes of 16-bit output
+    at its SM's share of the memory bandwidth; its main loop does ``2 x 256 x 128``
+    FLOPs per unit of ``k`` at its SM's share of ``share x peak_flops``. Both shares are
+    the SM's, so the write lasts ``share x peak_flops / bandwidth`` units of ``k``: the
+    machine's balance point, FLOPs per byte (2 bytes per output element, 2 FLOPs per
+    multiply-add). About 103 on an A100 at the central share, 0.67. So a GEMM whose
+    ``k`` is short (tensor parallelism cuts the output projection's ``k`` to ``h / TP``)
+    runs further below its share than a wide one. Not counted: the wait for the first
+    slice of A and B before the first multiply (CUTLASS's multistage main loop waits for
+    one stage, one memory latency). A second tile resident on the SM, or a persistent
+    kernel, hides the output write (CUTLASS's "Efficient GEMM" notes: Hopper's
+    persistent ping-pong kernel overlaps one warp group's output with the other's math);
+    :func:`tile_overhead_range` gives the span the range allows.
+    """
+    rate = _checks.positive("share", share, maximum=1.0) * _checks.positive(
+        "peak_flops", peak_flops
+    )
+    return rate / _checks.positive("bandwidth", bandwidth)
+
+
+def gemm_seconds(
+    m: float,
+    k: float,
+    n: float,
+    peak_flops: float,
+    bandwidth: float,
+    share: float,
+    batch: float = 1,
+    multiprocessors: int = 132,
+    tile_overhead: float = 1.0,
+) -> float:
+    """Time in seconds of ``batch`` bf16 GEMMs ``(m x k) @ (k x n)``, launched as one kernel.
+
+    Compute: the output is cut into :data:`TILE` tiles, one per thread block, and the
+    ``multiprocessors`` SMs run them in waves; a partly filled last wave takes as long
+    as a full one (wave quantisation, section 3.2 of NVIDIA's "Matrix Multiplication
+    Background" user's guide). Each wave does ``multiprocessors x 2 x 256 x 128 x k``
+    FLOPs at ``share x peak_flops``, and each of its tiles also pays a fixed cost worth
+    ``tile_overhead x`` :func:`tile_overhead_k` more of ``k`` (writing its output;
+    ``tile_overhead`` 0 when something hides it). Memory: the 16-bit
+    operands and results, ``2 (m k + k n + m n)`` bytes per GEMM, at ``bandwidth``. The
+    kernel takes the longer of the two (the roofline of Williams et al. 2009). So a
+    GEMM's efficiency is a function of its shape: one with a short side (attention's
+    ``Q K^T`` has the head dimension, 128) has few FLOPs per byte, one with few tiles
+    wastes most of its last wave, and one with a short ``k`` spends a larger share of each
+    tile's time on the tile's fixed cost.
+    """
+    for name, value in (("m", m), ("k", k), ("n", n), ("batch", batch)):
+        _checks.positive(name, value)
+    peak = _checks.positive("peak_flops", peak_flops)
+    bw = _checks.positive("bandwidth", bandwidth)
+    rate = peak * _checks.positive("share", share, maximum=1.0)
+    sms = _checks.count("multiprocessors", multiprocessors, minimum=1)
+    overhead = _checks.non_negative("tile_overhead", tile_overhead)
+    rows, cols = TILE
+    tiles = math.ceil(m / rows) * math.ceil(n / cols) * math.ceil(batch)
+    depth = k + overhead * tile_overhead_k(share, peak, bw)
+    compute = math.ceil(tiles / sms) * sms * 2 * rows * cols * depth / rate
+    return max(compute, batch * 2 * (m * k + k * n + m * n) / bw)
+
+
+def _layer_times(
+    model: Model,
+    cluster: Cluster,
+    t: int,
+    b: int,
+    sp: bool,
+    band: str,
+    c: int = 1,
+    ep: int = 1,
+    overhead: float = 1.0,
+) -> tuple[float, float, float]:
+    """:func:`_layer_times_at` with the ``band`` of :func:`gemm_share` (at the tile
+    ``overhead``) and of :data:`ELEMENTWISE_TRAFFIC`."""
+    share = _gemm_share_on(cluster, band, overhead)
+    traffic = ELEMENTWISE_TRAFFIC[band]
+    return _layer_times_at(model, cluster, t, b, sp, share, traffic, c, ep, overhead)
+
+
+def _gemm_share_on(cluster: Cluster, band: str, overhead: float) -> float:
+    """:func:`gemm_share`, read off A100s, on the ``cluster``'s GPU: scaled by the ratio
+    of the two GPUs' fastest measured GEMMs (``max_matmul_share``: 0.803 / 0.869 for an
+    H100), as is where the GPU's was not measured."""
+    reference = GPUS[TABLE4_GPU].max_matmul_share
+    scale = 1.0 if cluster.max_matmul_share is None else cluster.max_matmul_share / reference
+    return gemm_share(overhead)[band] * scale
+
+
+def _forward_and_backward(gemm, m: float, k: float, n: float, batch: float = 1):
+    """Seconds of a GEMM ``(m x k) @ (k x n)`` and of its two backward GEMMs: the input's
+    gradient ``(m x n) @ (n x k)`` and the weight's ``(k x m) @ (m x n)``, each at its
+    own shape (the weight gradient's ``k`` is the forward's rows, ``b s``)."""
+    forward = gemm(m, k, n, batch=batch)
+    return forward, gemm(m, n, k, batch=batch) + gemm(k, m, n, batch=batch)
+
+
+FUSED_BACKWARD_PASSES = 5 / 2
+"""A fused attention kernel's backward over its forward: five products (the recomputed
+``Q K^T``, ``dV``, ``dP``, ``dQ``, ``dK``) for two (Dao et al. 2022, section 3.1)."""
+
+
+def _fused_attention_seconds(
+    pairs: float, queries: float, keys: float, head_dim: int, rate: float
+) -> tuple[float, float]:
+    """Forward and backward seconds of a fused causal attention kernel (FlashAttention)
+    over ``pairs`` (sequence, head) pairs: ``Q K^T`` and the product with ``V``, 2 x 2
+    ``queries x keys x head_dim`` FLOPs per pair, only the blocks the causal mask leaves
+    (:data:`trainscale.context.CAUSAL_WORK_SHARE`, as its kernels stop at the diagonal
+    block), at ``rate`` FLOP/s; backward :data:`FUSED_BACKWARD_PASSES` times that."""
+    forward = pairs * 2 * 2 * queries * keys * head_dim * CAUSAL_WORK_SHARE / rate
+    return forward, FUSED_BACKWARD_PASSES * forward
+
+
+@functools.lru_cache(maxsize=8192)
+def _layer_times_at(
+    model: Model,
+    cluster: Cluster,
+    t: int,
+    b: int,
+    sp: bool,
+    share: float,
+    traffic: float,
+    c: int = 1,
+    ep: int = 1,
+    overhead: float = 1.0,
+) -> tuple[float, float, float]:
+    """Seconds of one layer on one GPU: ``(forward, its attention-score part, backward)``.
+
+    The layer's GEMMs, split over TP as Megatron-LM splits them, each at its roofline
+    (:func:`gemm_seconds`): the QKV projection (``kv_heads`` key/value heads), the
+    output projection, the MLP's input (two matrices if gated) and output matrices, and
+    per head ``Q K^T`` and the product with ``V`` (at the compute roof with a fused
+    attention kernel, whose scores stay on chip and which skips the key blocks the
+    causal mask hides, :func:`_fused_attention_seconds`). Backward, each GEMM's two
+    gradient GEMMs at their own shapes (:func:`_forward_and_backward`); a fused
+    attention kernel's :data:`FUSED_BACKWARD_PASSES` times its forward. Plus the
+    element-wise kernels: ``traffic`` (:data:`ELEMENTWISE_TRAFFIC`) x the bytes the
+    layer keeps (:func:`trainscale.checkpointing.layer_activation_bytes`, without the
+    ``5 a s^2 b`` scores when attention is fused) at the memory bandwidth, a third of it
+    forward, two thirds backward. ``share`` and ``overhead`` go to :func:`gemm_seconds`.
+
+    With context parallelism over ``c`` ranks a GPU holds ``s / c`` tokens and their
+    queries meet all ``s`` keys (ring attention, chapter 14). A mixture of experts
+    replaces the MLP by its router (``h x E``) and the ``E / ep`` local experts, run as
+    one batched GEMM of ``b s k ep / (c E)`` rows each (even routing, chapter 15).
+    """
+    s, h, a = model.seq_len, model.hidden, model.heads
+    d, kv = h // a, model.kv_heads or a
+    ffn = model.ffn_hidden or 4 * h
+    peak, bw = cluster.peak_flops, cluster.memory_bandwidth
+    gemm = functools.partial(
+        gemm_seconds,
+        peak_flops=peak,
+        bandwidth=bw,
+        share=share,
+        multiprocessors=cluster.multiprocessors,
+        tile_overhead=overhead,
+    )
+    rows = b * s / c
+    gates = 2 if model.gated_mlp else 1
+    shapes = [(rows, h, (h + 2 * kv * d) / t, 1), (rows, h / t, h, 1)]
+    if model.experts is None:
+        shapes += [(rows, h, ffn * gates / t, 1), (rows, ffn / t, h, 1)]
+    else:
+        local, width = model.experts / ep, model.expert_width
+        per_expert = rows * model.top_k / local
+        shapes += [(rows, h, model.experts, 1)]  # the router
+        shapes += [(per_expert, h, width * gates / t, local), (per_expert, width / t, h, local)]
+    passes = [_forward_and_backward(gemm, m, k, n, batch) for m, k, n, batch in shapes]
+    dense, dense_back = sum(f for f, _ in passes), sum(g for _, g in passes)
+    pairs = b * a / t  # (sequence, head) pairs on this GPU
+    shape = model.layer_shape
+    kept = layer_activation_bytes(s // c, b, h, a, t, sp, "none", **shape)
+    if model.fused_attention:
+        scores, scores_back = _fused_attention_seconds(pairs, s / c, s, d, peak * share)
+        score_bytes = 0.0
+    else:  # Q K^T, then the probabilities times V
+        qk = _forward_and_backward(gemm, s, d, s, pairs)
+        pv = _forward_and_backward(gemm, s, s, d, pairs)
+        scores, scores_back = qk[0] + pv[0], qk[1] + pv[1]
+        score_bytes = kept - layer_activation_bytes(s // c, b, h, a, t, sp, "selective", **shape)
+    per_byte = traffic / 3 / bw
+    forward = dense + scores + kept * per_byte
+    backward = dense_back + scores_back + 2 * kept * per_byte
+    return forward, scores + score_bytes * per_byte, backward
+
+
+def table4_seconds(share: float, overhead: float = 1.0) -> dict[str, float]:
+    """The roofline's time of :data:`TABLE4_SECONDS`'s layer at GEMM ``share``, in
+    seconds: forward (the layer, :func:`_layer_times_at`, plus its two synchronous
+    tensor-parallel all-reduces) and backward (the layer's gradient GEMMs at their own
+    shapes; the run's software overlapped the backward's two all-reduces with the
+    weight-gradient GEMMs, :data:`DOCUMENTED_OVERLAP`), element-wise traffic at its
+    central :data:`ELEMENTWISE_TRAFFIC`."""
+    share = _checks.positive("share", share, maximum=1.0)
+    overhead = _checks.non_negative("overhead", overhead)
+    run = next(r for r in published_runs() if r.name == TABLE4_RUN)
+    model, cluster = published_model(run), published_cluster(run)
+    s, b, h, t = model.seq_len, run.micro_batch, model.hidden, run.tp
+    traffic = ELEMENTWISE_TRAFFIC["point"]
+    forward, _, backward = _layer_times_at(
+        model, cluster, t, b, False, share, traffic, 1, 1, overhead
+    )
+    reduce = _tensor_collective_seconds(s, b, h, t, cluster.intra_node_bandwidth)
+    return {"forward": forward + 2 * reduce, "backward": backward}
+
+
+def _bisect(excess, low: float, high: float, steps: int = 32) -> float:
+    """The root of ``excess``, which falls from positive at ``low`` to negative at
+    ``high``, by bisection."""
+    for _ in range(steps):
+        middle = (low + high) / 2
+        low, high = (middle, high) if excess(middle) > 0 else (low, middle)
+    return (low + high) / 2
+
+
+@functools.cache
+def gemm_share(overhead: float = 1.0) -> dict[str, float]:
+    """The share of peak a compute-bound GEMM's main loop sustains, by band, read off
+    Korthikanti et al.'s Table 4 (:data:`TABLE4_SECONDS`) with the tiles' fixed cost at
+    ``overhead`` x :func:`tile_overhead_k`: ``low``, the share at which the roofline
+    reproduces the measured forward (:func:`table4_seconds`); ``point``, forward plus
+    backward; ``high``, the backward. An effective share: it also carries whatever the
+    measured layer spends that the roofline does not count. The two halves disagree
+    less as the tile cost grows (the forward's GEMMs have shorter ``k`` than the
+    backward's weight gradients), and agree at :func:`tile_overhead_range`'s upper end.
+    Not fitted to the published runs; one of the sources of :func:`estimate_run`'s range.
+    """
+    scale = _checks.non_negative("overhead", overhead)
+    measured = TABLE4_SECONDS
+    targets = {
+        "low": lambda share: table4_seconds(share, scale)["forward"] - measured["forward"],
+        "point": lambda share: sum(table4_seconds(share, scale).values()) - sum(measured.values()),
+        "high": lambda share: table4_seconds(share, scale)["backward"] - measured["backward"],
+    }
+    shares = {}
+    for band, excess in targets.items():  # time falls as the share rises
+        if excess(1.0) > 0:
+            raise ValueError(
+                f"overhead must leave Table 4's layer slower than the roofline at full peak "
+                f"(up to about 8), got {overhead}"
+            )
+        shares[band] = round(_bisect(excess, 0.05, 1.0), 4)
+    return shares
+
+
+@functools.cache
+def tile_overhead_range() -> tuple[float, float]:
+    """How much of the tiles' fixed cost (:func:`tile_overhead_k`) a GEMM pays at the two
+    ends of :func:`estimate_run`'s range, in multiples of that first-order count (1 in
+    the central estimate): none (a co-resident tile or a persistent kernel hides it),
+    and the most Korthikanti et al.'s Table 4 can carry: the multiple at which one
+    share reproduces both its forward and its backward (:func:`gemm_share`'s ``low`` and
+    ``high`` meet), so all of their disagreement is put down to the tiles' fixed cost.
+    Each end reads its own share off Table 4, so the band is narrow at Table 4's shapes
+    and widens with the distance from them."""
+    gap = lambda overhead: gemm_share(overhead)["high"] - gemm_share(overhead)["low"]  # noqa: E731
+    return 0.0, round(_bisect(gap, 0.0, 8.0, steps=16), 2)
+
+
+def _roofline(
+    model,
+    cluster,
+    t,
+    b,
+    layers,
+    mode,
+    sp,
+    band,
+    ends_short: int = 0,
+    c: int = 1,
+    ep: int = 1,
+    overhead: float = 1.0,
+) -> tuple[float, float, float]:
+    """Forward, backward and recomputation seconds of one micro-batch on the slowest stage.
+
+    ``layers`` layers (:func:`_layer_times`) on a middle stage; the last stage has
+    ``layers - 1`` of them when ``ends_short`` is 2 (the layers fall two short of the
+    stages' slots, and the output layer takes one, as Llama 3 balanced its pipeline),
+    plus the output layer's GEMM and its fp32 logits (``4 s b V / t`` bytes); the
+    pipeline runs at the pace of the slower of the two, forward, backward and
+    recomputation together. Backward: the layers' (:func:`_layer_times`: each GEMM's two
+    gradient GEMMs at their own shapes) and the output layer's. Full recomputation
+    repeats the forward of the stage's layers, selective the score part (nothing more
+    with a fused kernel, whose backward already does).
+    """
+    layer, score, layer_back = _layer_times(model, cluster, t, b, sp, band, c, ep, overhead)
+    rows, share = b * model.seq_len / c, _gemm_share_on(cluster, band, overhead)
+    bw = cluster.memory_bandwidth
+    gemm = functools.partial(
+        gemm_seconds,
+        peak_flops=cluster.peak_flops,
+        bandwidth=bw,
+        share=share,
+        multiprocessors=cluster.multiprocessors,
+        tile_overhead=overhead,
+    )
+    head, head_back = _forward_and_backward(gemm, rows, model.hidden, model.vocab / t)
+    logits = 4 * rows * model.vocab / t * ELEMENTWISE_TRAFFIC[band] / 3 / bw
+    head, head_back = head + logits, head_back + 2 * logits
+    last_layers = layers - (ends_short >= 2)
+
+    def stage(count: int, head: float, head_back: float) -> tuple[float, float, float]:
+        selective = 0.0 if model.fused_attention else count * score
+        recompute = {"full": count * layer, "selective": selective, "none": 0.0}[mode]
+        return count * layer + head, count * layer_back + head_back, recompute
+
+    middle, last = stage(layers, 0.0, 0.0), stage(last_layers, head, head_back)
+    return max(middle, last, key=sum)  # the slower stage sets the pace
+
+
+GEMM_SHARE = gemm_share(1.0)
+"""The central estimate's GEMM share by band (:func:`gemm_share` at the counted tile
+overhead): about 0.62, 0.67 and 0.70 of peak, an effective share of a compute-bound
+GEMM's main loop on an A100."""

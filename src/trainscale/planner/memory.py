@@ -1,0 +1,228 @@
+"""Memory per GPU (the fullest pipeline stage): model state and activations.
+
+* model state: 16 bytes per parameter (:data:`trainscale.memory.BYTES_PER_PARAM`),
+  for the parameters of one pipeline stage divided over the TP group, with
+  ZeRO sharding over the DP group exactly as :func:`trainscale.memory.model_state_groups`
+  does it (chapters 02 and 05);
+* activations per Korthikanti et al. (arXiv 2205.05198; bib key korthikanti2022reducing),
+  :func:`trainscale.checkpointing.layer_activation_bytes` (chapter 09), shaped by the
+  model (:attr:`Model.layer_shape`: grouped-query attention's smaller keys and
+  values, the MLP's width and gating, a fused attention kernel that keeps no
+  ``s x s`` table, no dropout masks where there is no dropout), times the layers
+  of the stage, times the micro-batches in flight on it (1F1B keeps up to
+  ``PP`` of them on the first stage), plus the embedding on the first stage and
+  the output layer and its fp32 logits on the last one.
+
+Allocator headroom stays one share, :data:`trainscale.memory.USABLE_MEMORY`
+(:mod:`trainscale.planner` lists what else it covers), an assumption, not an explicit
+term: we found no published figure for how much memory PyTorch's caching allocator loses to
+fragmentation in a training run. PyTorch's CUDA memory-management notes describe the
+effect qualitatively (reserved but unallocated blocks, ``max_split_size_mb``,
+``expandable_segments``), and NVIDIA's Megatron Bridge memory-tuning guide
+recommends ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` as the fix for
+fragmentation-induced out-of-memory errors, with no figure either. So a layout the
+planner puts near :data:`USABLE_MEMORY` of the GPU is one to check on the GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from trainscale import _checks
+from trainscale.checkpointing import layer_activation_bytes
+from trainscale.memory import StateDtypes, model_state_groups
+from trainscale.planner.inputs import Model, _recompute
+
+
+def _stage(model: Model, pp: int, virtual_stages: int) -> tuple[int, int, float, int]:
+    """Layers per model chunk, per stage, the compute imbalance, and parameters per stage.
+
+    With ``pp * virtual_stages`` chunks the layers may not divide evenly; the planner
+    gives the fullest chunk ``ceil(layers / chunks)`` layers and charges every stage
+    as if it were that full (an upper bound on memory), and the pipeline runs at the
+    pace of that chunk (``imbalance`` > 1 is the slowdown).
+    """
+    chunks = pp * virtual_stages
+    per_chunk = -(-model.layers // chunks)
+    per_stage = per_chunk * virtual_stages
+    imbalance = per_chunk * chunks / model.layers
+    if pp == 1:
+        return model.layers, model.layers, 1.0, model.params
+    body = -(-(per_stage * (model.params - model.embedding_params)) // model.layers)
+    return per_chunk, per_stage, imbalance, body + model.vocab * model.hidden
+
+
+def stage_params(model: Model, tp: int, pp: int, virtual_stages: int = 1) -> int:
+    """Parameters one GPU of the fullest pipeline stage holds before ZeRO: ``ceil(stage / TP)``.
+
+    With ``pp > 1`` a stage holds ``ceil(layers / pp)`` layers and either the input
+    embedding (first stage) or the output layer (last stage); Megatron-LM splits
+    both over the tensor-parallel group along the vocabulary.
+    """
+    if not isinstance(model, Model):
+        raise ValueError(f"model must be a planner.Model, got {type(model).__name__}")
+    t = _checks.count("tp", tp, minimum=1)
+    p = _checks.count("pp", pp, minimum=1)
+    v = _checks.count("virtual_stages", virtual_stages, minimum=1) if p > 1 else 1
+    if p * v > model.layers + 2:
+        raise ValueError(
+            f"pp x virtual_stages must be <= layers + 2 ({model.layers + 2}), got {p * v}"
+        )
+    return -(-_stage(model, p, v)[3] // t)
+
+
+def model_state_per_gpu(
+    model: Model, tp: int, pp: int, dp: int, zero_stage: int, virtual_stages: int = 1
+) -> dict[str, int]:
+    """Bytes of weights, gradients and optimiser state on one GPU of the fullest stage.
+
+    The stage's parameters are divided over TP (:func:`stage_params`), then ZeRO
+    shards them over DP with :func:`trainscale.memory.model_state_groups`.
+    """
+    per_gpu = stage_params(model, tp, pp, virtual_stages)
+    return dict(_state(per_gpu, _checks.count("dp", dp, minimum=1), zero_stage))
+
+
+FP32_GRADIENTS = StateDtypes(gradients=torch.float32)
+"""Mixed precision with fp32 gradients (accumulated over micro-batches and reduced in
+fp32, as Llama 3 did: Dubey et al., arXiv 2407.21783, section 3.3.2, "Numerical
+stability"): 18 bytes per parameter instead of 16, and 4-byte gradients on the wire."""
+
+
+@functools.lru_cache(maxsize=4096)
+def _state(
+    per_gpu: int, dp: int, zero_stage: int, fp32_gradients: bool = False
+) -> tuple[tuple[str, int], ...]:
+    dtypes = FP32_GRADIENTS if fp32_gradients else None
+    return tuple(model_state_groups(per_gpu, dp, zero_stage, dtypes).items())
+
+
+@functools.lru_cache(maxsize=4096)
+def _activations(
+    model: Model,
+    t: int,
+    p: int,
+    b: int,
+    m: int,
+    mode: str,
+    sp: bool,
+    v: int,
+    c: int = 1,
+) -> float:
+    """Activation bytes on the fullest pipeline stage (see :func:`activation_bytes_per_gpu`)."""
+    s, h, a, vocab = model.seq_len // c, model.hidden, model.heads, model.vocab
+    per_layer = layer_activation_bytes(s, b, h, a, t, sp, mode, **model.layer_shape)
+    t_sp = t if sp else 1
+    embedding = s * b * h / t_sp if model.dropout else 0.0  # 1-byte dropout mask
+    output = 4 * s * b * h / t_sp + 4 * s * b * vocab / t  # final norm, output input, fp32 logits
+    per_chunk, per_stage, _, _ = _stage(model, p, v)
+    if p == 1:
+        return per_stage * per_layer + embedding + output
+    if v == 1:
+        # Layers that do not divide evenly: the first and last stages, which also hold
+        # the embedding and the logits, get one layer fewer (as Llama 3 did); then the
+        # second stage, full and with p - 1 micro-batches in flight, may hold the most.
+        short = per_chunk * p - model.layers
+        first_layers = per_chunk - (short >= 1)
+        last_layers = per_chunk - (short >= 2)
+        first = max(
+            min(p, m) * first_layers * per_layer + min(p, m) * embedding,
+            min(p - 1, m) * per_chunk * per_layer,
+        )
+        return max(first, last_layers * per_layer + output)
+    # Megatron's interleaved warm-up: (v-1) p + 2 (p-1) chunk forwards before a backward.
+    # When the layers fall short of p v full chunks, the first chunk of the first stage
+    # and the last chunk of the last stage hold one layer fewer (Llama 3's balance: the
+    # embedding and the output layer take a layer's place); in-flight chunks then hold
+    # the stage's average layers per chunk.
+    short = per_chunk * p * v - model.layers
+    first_chunks, last_chunks = min(v * p + p - 1, v * m), min((v - 1) * p + 1, v * m)
+    first_per_chunk = (per_stage - (short >= 1)) / v
+    last_per_chunk = (per_stage - (short >= 2)) / v
+    first = first_chunks * first_per_chunk * per_layer + min(p, m) * embedding
+    middle = min(v * p + p - 3, v * m) * per_chunk * per_layer if p > 2 else 0.0
+    last = last_chunks * last_per_chunk * per_layer + output
+    return max(first, middle if short else 0.0, last)
+
+
+def activation_bytes_per_gpu(
+    model: Model,
+    tp: int,
+    pp: int,
+    micro_batch: int,
+    micro_batches: int,
+    recompute: str = "none",
+    sequence_parallel: bool = True,
+    virtual_stages: int = 1,
+    context_parallel: int = 1,
+) -> float:
+    """Activation bytes on one GPU of the fullest pipeline stage.
+
+    :func:`layer_activation_bytes` times the layers of a stage times the
+    micro-batches in flight. With the 1F1B schedule the first stage has started
+    ``min(pp, micro_batches)`` micro-batches before it finishes one (its layers
+    add up to the whole model's, Korthikanti et al. section 4.2.3), the last stage
+    one; the interleaved schedule keeps ``(v+1) p - 1`` model chunks in flight on the
+    first stage. Added outside the layers (section 4.3): the embedding's 1-byte
+    dropout mask on the first stage, and on the last the final layer norm's input,
+    the output layer's input and the fp32 logits the loss needs (``4 s b vocab / t``).
+    Without pipelining all of it lands on one stage, once. Context parallelism
+    (``context_parallel`` ranks) keeps ``seq_len / context_parallel`` tokens of every
+    sequence on each GPU, so every term shrinks by that factor (with a fused attention
+    kernel no term grows with the whole sequence).
+    """
+    if not isinstance(model, Model):
+        raise ValueError(f"model must be a planner.Model, got {type(model).__name__}")
+    t = _checks.count("tp", tp, minimum=1)
+    p = _checks.count("pp", pp, minimum=1)
+    b = _checks.count("micro_batch", micro_batch, minimum=1)
+    m = _checks.count("micro_batches", micro_batches, minimum=1)
+    mode = _recompute("recompute", recompute)
+    sp = _checks.boolean("sequence_parallel", sequence_parallel)
+    v = _checks.count("virtual_stages", virtual_stages, minimum=1) if p > 1 else 1
+    if p * v > model.layers + 2:
+        raise ValueError(
+            f"pp x virtual_stages must be <= layers + 2 ({model.layers + 2}), got {p * v}"
+        )
+    c = _checks.count("context_parallel", context_parallel, minimum=1)
+    if model.seq_len % c:
+        raise ValueError(
+            f"context_parallel must divide seq_len ({model.seq_len}), got {context_parallel}"
+        )
+    return _activations(model, t, p, b, m, mode, sp, v, c)
+
+
+def _model_state(
+    model: Model,
+    per_stage: int,
+    stage_total: int,
+    t: int,
+    d: int,
+    c: int,
+    ep: int,
+    zero: int,
+    fp32: bool,
+) -> tuple[dict[str, int], float]:
+    """Model-state bytes on one GPU, and the parameters its data-parallel traffic carries.
+
+    The dense parameters of the stage are split over TP and sharded by ZeRO over the
+    ``d c`` ranks that hold the same ones (Megatron-core reduces gradients over DP and
+    CP together); the experts' over ``t ep`` and sharded over the ``d c / ep`` ranks
+    that hold the same experts. The second number is the dense parameters plus the
+    expert ones scaled to the dense group's ring share (``(n-1)/n``), so one call of
+    the data-parallel cost prices both groups.
+    """
+    experts = per_stage * model.expert_params_per_layer
+    dense_gpu = -(-(stage_total - experts) // t)
+    state = dict(_state(dense_gpu, d * c, zero, fp32))
+    if not experts:
+        return state, dense_gpu
+    expert_gpu = -(-experts // (t * ep))
+    group = d * c // ep
+    for key, value in _state(expert_gpu, group, zero, fp32):
+        state[key] += value
+    ring, expert_ring = (d * c - 1) / (d * c), (group - 1) / group
+    return state, dense_gpu + math.ceil(expert_gpu * expert_ring / ring if ring else 0)

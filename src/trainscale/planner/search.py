@@ -1,0 +1,207 @@
+"""The search: every layout of a cluster, estimated and ranked (:func:`plan`).
+
+:func:`top_layouts` keeps the best setting of each shape and :func:`verdict_counts`
+counts the verdicts; :func:`context_parallel_degrees` and :func:`expert_parallel_degrees`
+are the CP and EP degrees :func:`plan` tries by default.
+
+Which layouts are tried: TP over every divisor of the GPU count (it must also
+divide the attention heads), CP over the degrees that can help
+(:func:`context_parallel_degrees`) that divide what is left, PP over every divisor
+of what is left then, DP the rest, and EP over the divisors of the experts that
+also divide DP. PP need *not* divide the layers: the fullest stage gets ``ceil(L / PP)``
+layers and its pace sets the pipeline's; without interleaving, the first and last
+stages, which also hold the embedding and the logits, get one layer fewer when the
+layers fall short (as Llama 3 did), which lowers their activation memory. The
+micro-batch must divide the sequences of each DP rank; the number
+of micro-batches per step is the gradient accumulation.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable, Sequence
+
+from trainscale import _checks
+from trainscale.checkpointing import RECOMPUTE
+from trainscale.context import cp_beats_tp_local_tokens, cp_hiding_threshold_tokens
+from trainscale.memory import USABLE_MEMORY
+from trainscale.planner.inputs import Cluster, Model, _check_inputs, _recompute, _zero
+from trainscale.planner.layout import KERNEL_EFFICIENCY, MAX_BUBBLE, VERDICTS, Layout, _options
+from trainscale.planner.step import _evaluate
+
+
+def _subset(name: str, values: object, convert, allowed: str) -> tuple:
+    """The distinct values of a non-empty sequence, each checked by ``convert``."""
+    if isinstance(values, str | bytes) or not isinstance(values, Iterable):
+        raise ValueError(f"{name} must be a non-empty sequence of {allowed}, got {values!r}")
+    chosen = tuple(dict.fromkeys(convert(name, value) for value in values))
+    if not chosen:
+        raise ValueError(f"{name} must be a non-empty sequence of {allowed}, got {values!r}")
+    return chosen
+
+
+def _micro(name: str, value: object) -> int:
+    return _checks.count(name, value, minimum=1)
+
+
+def _divisors(n: int) -> list[int]:
+    small = [k for k in range(1, math.isqrt(n) + 1) if n % k == 0]
+    return sorted({*small, *(n // k for k in small)})
+
+
+def _sort_key(layout: Layout) -> tuple:
+    step = layout.step_seconds if not math.isnan(layout.step_seconds) else math.inf
+    memory = layout.memory_bytes if not math.isnan(layout.memory_bytes) else math.inf
+    return (
+        layout.verdict != "fits",
+        step,
+        memory,
+        layout.shape,
+        layout.zero_stage,
+        RECOMPUTE.index(layout.recompute),
+        layout.micro_batch,
+    )
+
+
+def plan(
+    model: Model,
+    cluster: Cluster,
+    global_batch: int,
+    *,
+    micro_batches: Sequence[int] = (1, 2, 4, 8),
+    zero_stages: Sequence[int] = (0, 1, 2, 3),
+    recompute: Sequence[str] = RECOMPUTE,
+    sequence_parallel: bool = True,
+    virtual_stages: int = 1,
+    efficiency: float | None = None,
+    usable_memory: float = USABLE_MEMORY,
+    max_bubble: float = MAX_BUBBLE,
+    schedule: str = "1f1b",
+    fp32_gradients: bool = False,
+    context_parallel: Sequence[int] | None = None,
+    expert_parallel: Sequence[int] | None = None,
+) -> list[Layout]:
+    """Every layout of ``cluster.gpus`` GPUs, estimated and ranked.
+
+    ``context_parallel`` and ``expert_parallel`` are the CP and EP degrees to try;
+    ``None`` tries those that can help (:func:`context_parallel_degrees`,
+    :func:`expert_parallel_degrees`): for a dense model with short sequences only 1.
+
+    TP runs over every divisor of the GPU count, CP over the degrees given that
+    divide what TP leaves, PP over every divisor of what TP and CP leave, DP takes
+    the rest, so ``TP x CP x PP x DP`` always equals the GPU count; each shape is
+    tried with every EP degree given that divides DP, every ZeRO stage,
+    recomputation mode and micro-batch size given. Pipeline stages need not divide
+    the layers evenly (see :func:`stage_params`). Layouts that break a rule are kept
+    with the verdict ``invalid`` so a reader can see why they were rejected.
+
+    Ranked: layouts that fit without any problem first, fastest estimated step
+    first, ties going to less memory; then all the others, the same way; the
+    ``invalid`` ones last. Each entry is what :func:`evaluate` returns.
+    """
+    batch = _check_inputs(model, cluster, global_batch)
+    micros = _subset("micro_batches", micro_batches, _micro, "whole numbers >= 1")
+    stages = _subset("zero_stages", zero_stages, _zero, "ZeRO stages 0-3")
+    modes = _subset("recompute", recompute, _recompute, f"modes from {RECOMPUTE}")
+    opt = _options(
+        sequence_parallel,
+        virtual_stages,
+        efficiency,
+        usable_memory,
+        max_bubble,
+        "point",
+        schedule,
+        fp32_gradients,
+    )
+    gpus = cluster.gpus
+    cps = (
+        context_parallel_degrees(model, cluster)
+        if context_parallel is None
+        else _subset("context_parallel", context_parallel, _micro, "whole numbers >= 1")
+    )
+    eps = (
+        expert_parallel_degrees(model)
+        if expert_parallel is None
+        else _subset("expert_parallel", expert_parallel, _micro, "whole numbers >= 1")
+    )
+    layouts = [
+        _evaluate(model, cluster, batch, t, p, gpus // (t * c * p), zero, mode, b, opt, c, ep)
+        for t in _divisors(gpus)
+        for c in cps
+        if (gpus // t) % c == 0
+        for p in _divisors(gpus // (t * c))
+        for ep in eps
+        if (gpus // (t * c * p)) % ep == 0
+        for zero in stages
+        for mode in modes
+        for b in micros
+    ]
+    return sorted(layouts, key=_sort_key)
+
+
+def context_parallel_degrees(model: Model, cluster: Cluster) -> tuple[int, ...]:
+    """The CP degrees :func:`plan` tries by default: 1, and each power of two ``c`` up to
+    the GPU count for which CP can help.
+
+    CP needs a fused attention kernel (ring attention keeps the online softmax's
+    running sums, never the ``s x s`` scores) and ``2 c`` equal chunks of the sequence
+    (the zig-zag layout that balances the causal mask, chapter 14). Degree ``c`` is
+    tried when a GPU's ``s / c`` tokens are at least both thresholds of chapter 14:
+    :func:`trainscale.context.cp_beats_tp_local_tokens` for ``c`` shards (``9 h g /
+    (c - 1)`` tokens, ``g`` the share of key-value heads: from there the ring's
+    traffic per FLOP is below that of a TP group of the same size, so splitting the
+    sequence costs less than splitting the layers further), and
+    :func:`trainscale.context.cp_hiding_threshold_tokens` over the inter-node link (the
+    ring's traffic hides under attention even between nodes). At
+    :data:`KERNEL_EFFICIENCY`. A 4,096-token, 8,192-wide model never qualifies, nor do
+    Llama 3 405B's 8,192 tokens; 131,072 tokens with grouped-query attention do.
+    """
+    if not isinstance(model, Model):
+        raise ValueError(f"model must be a planner.Model, got {type(model).__name__}")
+    if not isinstance(cluster, Cluster):
+        raise ValueError(f"cluster must be a planner.Cluster, got {type(cluster).__name__}")
+    if not model.fused_attention:
+        return (1,)
+    share = (model.kv_heads or model.heads) / model.heads
+    peak, link = cluster.peak_flops, cluster.inter_node_bandwidth
+    hides = cp_hiding_threshold_tokens(peak, KERNEL_EFFICIENCY, link, kv_share=share)
+    degrees, c = [1], 2
+    while c <= cluster.gpus and model.seq_len % (2 * c) == 0:
+        local = model.seq_len / c
+        beats = cp_beats_tp_local_tokens(
+            model.hidden, c, peak, KERNEL_EFFICIENCY, link, kv_share=share
+        )
+        if local < max(beats, hides):
+            break
+        degrees.append(c)
+        c *= 2
+    return tuple(degrees)
+
+
+def expert_parallel_degrees(model: Model) -> tuple[int, ...]:
+    """The EP degrees :func:`plan` tries by default: every divisor of the model's experts
+    (1 for a dense model); :func:`plan` keeps those that also divide DP."""
+    if not isinstance(model, Model):
+        raise ValueError(f"model must be a planner.Model, got {type(model).__name__}")
+    return (1,) if model.experts is None else tuple(_divisors(model.experts))
+
+
+def top_layouts(layouts: Sequence[Layout], count: int = 5) -> list[Layout]:
+    """The fastest layout that fits of each TP x PP x DP shape, fastest first, at most ``count``.
+
+    :func:`plan` returns every ZeRO stage, recomputation mode and micro-batch of
+    a shape; this keeps the best setting of each shape, so the list compares
+    shapes rather than variations of one.
+    """
+    n = _checks.count("count", count, minimum=1)
+    best: dict[tuple[int, int, int], Layout] = {}
+    for layout in sorted((lay for lay in layouts if lay.verdict == "fits"), key=_sort_key):
+        best.setdefault(layout.shape, layout)
+    return list(best.values())[:n]
+
+
+def verdict_counts(layouts: Iterable[Layout]) -> dict[str, int]:
+    """How many layouts got each verdict, in the order of :data:`VERDICTS`."""
+    counted = Counter(layout.verdict for layout in layouts)
+    return {verdict: counted[verdict] for verdict in VERDICTS}
