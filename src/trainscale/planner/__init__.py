@@ -76,7 +76,6 @@ from trainscale.planner.inputs import (
 from trainscale.planner.kernels import (
     ELEMENTWISE_TRAFFIC,
     FUSED_BACKWARD_PASSES,
-    GEMM_SHARE,
     TABLE4_GPU,
     TABLE4_RUN,
     TABLE4_SECONDS,
@@ -218,14 +217,20 @@ modules: each still reads as ``planner.NAME`` (:func:`__getattr__`), though it i
 planner's API (:data:`__all__`); its home is the module named here."""
 
 
+_COMPUTED_WHEN_READ = {"GEMM_SHARE": "trainscale.planner.kernels"}
+"""Names of the planner's API computed when first read rather than at import (the GEMM
+share bisects Table 4's layer), by the module that computes them."""
+
+
 def __getattr__(name: str) -> object:
-    """A name of :data:`_FORMULA_NAMES`, from its own module."""
+    """A name of :data:`_COMPUTED_WHEN_READ` or :data:`_FORMULA_NAMES`, from its module."""
     import importlib
 
-    if name not in _FORMULA_NAMES:
+    module = _COMPUTED_WHEN_READ.get(name) or _FORMULA_NAMES.get(name)
+    if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(_FORMULA_NAMES[name]), name)
+    return getattr(importlib.import_module(module), name)
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_FORMULA_NAMES})
+    return sorted({*globals(), *_COMPUTED_WHEN_READ, *_FORMULA_NAMES})

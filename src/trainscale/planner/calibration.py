@@ -34,12 +34,14 @@ from trainscale.planner.inputs import (
     Model,
     _check_inputs,
     _cites,
+    _Problem,
     _published,
     published_cluster,
     published_model,
 )
 from trainscale.planner.kernels import tile_overhead_range
-from trainscale.planner.layout import Layout, _options
+from trainscale.planner.layout import Layout, _options, _Shape
+from trainscale.planner.memory import _chunks_fit
 from trainscale.planner.search import plan, top_layouts
 from trainscale.planner.step import _evaluate
 from trainscale.published import GPUS, PublishedRun
@@ -177,10 +179,11 @@ def _at_shape(
     """The fastest setting at the run's shape, searched over what it does not publish;
     ``overlap`` pins the share of communication hidden (else documented, else the band)."""
     model, cluster, c = published_model(run), published_cluster(run), _choices(run)
+    problem = _Problem(model, cluster, run.global_batch)
     cp = run.cp or 1
     candidates = []
     for v in c["v"]:
-        if run.pp * v > run.layers + 2:
+        if not _chunks_fit(run.layers, run.pp, v):
             continue
         for sp in c["sp"]:
             fp32 = _cites(run, FP32_GRADIENT_SOURCES)
@@ -188,7 +191,17 @@ def _at_shape(
             opt = _options(sp, v, None, USABLE_MEMORY, 1.0, band, "1f1b", fp32, shares, overhead)
             candidates += [
                 _evaluate(
-                    model, cluster, run.global_batch, run.tp, run.pp, run.dp, z, r, b, opt, cp
+                    problem,
+                    _Shape(
+                        tp=run.tp,
+                        pp=run.pp,
+                        dp=run.dp,
+                        zero_stage=z,
+                        recompute=r,
+                        micro_batch=b,
+                        cp=cp,
+                    ),
+                    opt,
                 )
                 for z in c["zero_stages"]
                 for r in c["recompute"]
@@ -285,6 +298,18 @@ def mfu_range(
     if layout.verdict == "invalid":
         raise ValueError(f"layout must be a valid layout, got one that is invalid: {layout.notes}")
 
+    problem = _Problem(model, cluster, layout.global_batch)
+    shape = _Shape(
+        tp=layout.tp,
+        pp=layout.pp,
+        dp=layout.dp,
+        zero_stage=layout.zero_stage,
+        recompute=layout.recompute,
+        micro_batch=layout.micro_batch,
+        cp=layout.cp,
+        ep=layout.ep,
+    )
+
     def at(band: str, overhead: float) -> Layout:
         opt = _options(
             layout.sequence_parallel,
@@ -297,20 +322,7 @@ def mfu_range(
             fp32_gradients,
             overhead=overhead,
         )
-        return _evaluate(
-            model,
-            cluster,
-            layout.global_batch,
-            layout.tp,
-            layout.pp,
-            layout.dp,
-            layout.zero_stage,
-            layout.recompute,
-            layout.micro_batch,
-            opt,
-            layout.cp,
-            layout.ep,
-        )
+        return _evaluate(problem, shape, opt)
 
     low, high = _range_ends(at)
     return low.mfu, high.mfu

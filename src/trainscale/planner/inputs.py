@@ -147,6 +147,16 @@ class Model:
 
 
 @dataclass(frozen=True)
+class _Problem:
+    """What a layout is planned for: a model, a cluster and a global batch in sequences
+    (checked by :func:`_check_inputs`)."""
+
+    model: Model
+    cluster: Cluster
+    batch: int
+
+
+@dataclass(frozen=True)
 class Cluster:
     """GPUs and links: ``nodes`` machines of ``gpus_per_node`` GPUs each.
 

@@ -361,7 +361,11 @@ def _roofline(
     return max(middle, last, key=sum)  # the slower stage sets the pace
 
 
-GEMM_SHARE = gemm_share(1.0)
-"""The central estimate's GEMM share by band (:func:`gemm_share` at the counted tile
-overhead): about 0.62, 0.67 and 0.70 of peak, an effective share of a compute-bound
-GEMM's main loop on an A100."""
+def __getattr__(name: str) -> object:
+    """``GEMM_SHARE``: the central estimate's GEMM share by band (:func:`gemm_share` at the
+    counted tile overhead): about 0.62, 0.67 and 0.70 of peak, an effective share of a
+    compute-bound GEMM's main loop on an A100. Read off Table 4 when first asked for (and
+    cached by :func:`gemm_share`), not when the planner is imported."""
+    if name == "GEMM_SHARE":
+        return gemm_share(1.0)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

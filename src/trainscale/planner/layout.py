@@ -172,15 +172,30 @@ def _options(
     )
 
 
-def _invalid(t, p, d, zero, mode, b, batch, problems, notes, c=1, ep=1) -> Layout:
+@dataclass(frozen=True)
+class _Shape:
+    """One layout's degrees and settings, named as :class:`Layout` names them: what
+    :func:`trainscale.planner.step._evaluate` estimates, under its :class:`_Options`."""
+
+    tp: int
+    pp: int
+    dp: int
+    zero_stage: int
+    recompute: str
+    micro_batch: int
+    cp: int = 1
+    ep: int = 1
+
+
+def _invalid(shape: _Shape, batch: int, problems: list[str], notes: list[str]) -> Layout:
     nan = math.nan
     return Layout(
-        tp=t,
-        pp=p,
-        dp=d,
-        zero_stage=zero,
-        recompute=mode,
-        micro_batch=b,
+        tp=shape.tp,
+        pp=shape.pp,
+        dp=shape.dp,
+        zero_stage=shape.zero_stage,
+        recompute=shape.recompute,
+        micro_batch=shape.micro_batch,
         global_batch=batch,
         accumulation=None,
         memory_parts=dict.fromkeys(MEMORY_PARTS, nan),
@@ -192,6 +207,6 @@ def _invalid(t, p, d, zero, mode, b, batch, problems, notes, c=1, ep=1) -> Layou
         verdict="invalid",
         problems=tuple(problems),
         notes=tuple(notes),
-        cp=c,
-        ep=ep,
+        cp=shape.cp,
+        ep=shape.ep,
     )

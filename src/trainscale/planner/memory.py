@@ -55,6 +55,22 @@ def _stage(model: Model, pp: int, virtual_stages: int) -> tuple[int, int, float,
     return per_chunk, per_stage, imbalance, body + model.vocab * model.hidden
 
 
+def _chunks_fit(layers: int, pp: int, virtual_stages: int) -> bool:
+    """Whether ``pp x virtual_stages`` pipeline model chunks fit ``layers`` layers: at most
+    ``layers + 2`` of them, as the embedding and the output layer may each take a layer's
+    place on the first and the last stage (Llama 3's balance, Dubey et al., arXiv
+    2407.21783, section 3.3.2). The planner's one statement of the rule."""
+    return pp * virtual_stages <= layers + 2
+
+
+def _check_chunks(layers: int, pp: int, virtual_stages: int) -> None:
+    """A ``ValueError`` naming ``pp x virtual_stages`` when they break :func:`_chunks_fit`."""
+    if not _chunks_fit(layers, pp, virtual_stages):
+        raise ValueError(
+            f"pp x virtual_stages must be <= layers + 2 ({layers + 2}), got {pp * virtual_stages}"
+        )
+
+
 def stage_params(model: Model, tp: int, pp: int, virtual_stages: int = 1) -> int:
     """Parameters one GPU of the fullest pipeline stage holds before ZeRO: ``ceil(stage / TP)``.
 
@@ -67,10 +83,7 @@ def stage_params(model: Model, tp: int, pp: int, virtual_stages: int = 1) -> int
     t = _checks.count("tp", tp, minimum=1)
     p = _checks.count("pp", pp, minimum=1)
     v = _checks.count("virtual_stages", virtual_stages, minimum=1) if p > 1 else 1
-    if p * v > model.layers + 2:
-        raise ValueError(
-            f"pp x virtual_stages must be <= layers + 2 ({model.layers + 2}), got {p * v}"
-        )
+    _check_chunks(model.layers, p, v)
     return -(-_stage(model, p, v)[3] // t)
 
 
@@ -183,10 +196,7 @@ def activation_bytes_per_gpu(
     mode = _recompute("recompute", recompute)
     sp = _checks.boolean("sequence_parallel", sequence_parallel)
     v = _checks.count("virtual_stages", virtual_stages, minimum=1) if p > 1 else 1
-    if p * v > model.layers + 2:
-        raise ValueError(
-            f"pp x virtual_stages must be <= layers + 2 ({model.layers + 2}), got {p * v}"
-        )
+    _check_chunks(model.layers, p, v)
     c = _checks.count("context_parallel", context_parallel, minimum=1)
     if model.seq_len % c:
         raise ValueError(

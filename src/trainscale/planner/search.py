@@ -26,8 +26,15 @@ from trainscale import _checks
 from trainscale.checkpointing import RECOMPUTE
 from trainscale.context import cp_beats_tp_local_tokens, cp_hiding_threshold_tokens
 from trainscale.memory import USABLE_MEMORY
-from trainscale.planner.inputs import Cluster, Model, _check_inputs, _recompute, _zero
-from trainscale.planner.layout import KERNEL_EFFICIENCY, MAX_BUBBLE, VERDICTS, Layout, _options
+from trainscale.planner.inputs import Cluster, Model, _check_inputs, _Problem, _recompute, _zero
+from trainscale.planner.layout import (
+    KERNEL_EFFICIENCY,
+    MAX_BUBBLE,
+    VERDICTS,
+    Layout,
+    _options,
+    _Shape,
+)
 from trainscale.planner.step import _evaluate
 
 
@@ -125,8 +132,22 @@ def plan(
         if expert_parallel is None
         else _subset("expert_parallel", expert_parallel, _micro, "whole numbers >= 1")
     )
+    problem = _Problem(model, cluster, batch)
     layouts = [
-        _evaluate(model, cluster, batch, t, p, gpus // (t * c * p), zero, mode, b, opt, c, ep)
+        _evaluate(
+            problem,
+            _Shape(
+                tp=t,
+                pp=p,
+                dp=gpus // (t * c * p),
+                zero_stage=zero,
+                recompute=mode,
+                micro_batch=b,
+                cp=c,
+                ep=ep,
+            ),
+            opt,
+        )
         for t in _divisors(gpus)
         for c in cps
         if (gpus // t) % c == 0

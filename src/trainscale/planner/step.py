@@ -74,7 +74,7 @@ from trainscale.checkpointing import selective_recompute_flops
 from trainscale.compute import FLOPS_PER_PARAM_PER_TOKEN, mfu
 from trainscale.memory import BYTES_PER_PARAM, GIB, OPTIMIZER_STATE, USABLE_MEMORY
 from trainscale.pipeline import bubble, bubble_zb_h1
-from trainscale.planner.inputs import Cluster, Model, _check_inputs, _recompute, _zero
+from trainscale.planner.inputs import Cluster, Model, _check_inputs, _Problem, _recompute, _zero
 from trainscale.planner.kernels import _layer_times, _roofline
 from trainscale.planner.layout import (
     _SEVERITY,
@@ -83,8 +83,9 @@ from trainscale.planner.layout import (
     _invalid,
     _Options,
     _options,
+    _Shape,
 )
-from trainscale.planner.memory import _activations, _model_state, _stage
+from trainscale.planner.memory import _activations, _chunks_fit, _model_state, _stage
 from trainscale.planner.traffic import (
     OVERLAP,
     _context_parallel_seconds,
@@ -110,25 +111,18 @@ the unscaling pass (6 + 8 more). The planner charges 42 for every run, fp16 ones
 included (the difference is under a thousandth of their steps)."""
 
 
-def _evaluate(
-    model: Model,
-    cluster: Cluster,
-    batch: int,
-    t: int,
-    p: int,
-    d: int,
-    zero: int,
-    mode: str,
-    b: int,
-    opt: _Options,
-    c: int = 1,
-    ep: int = 1,
-) -> Layout:
+def _evaluate(problem: _Problem, shape: _Shape, opt: _Options) -> Layout:
+    """What :func:`evaluate` returns for one layout: ``problem``, ``shape`` and ``opt`` as
+    its callers checked them (:func:`evaluate`, :func:`trainscale.planner.search.plan`,
+    :mod:`trainscale.planner.calibration`)."""
+    model, cluster, batch = problem.model, problem.cluster, problem.batch
+    t, p, d, c, ep = shape.tp, shape.pp, shape.dp, shape.cp, shape.ep
+    zero, mode, b = shape.zero_stage, shape.recompute, shape.micro_batch
     v = opt.virtual_stages if p > 1 else 1  # without a pipeline there is nothing to interleave
     notes = _parallel_notes(model, t, d, c, ep, opt.sequence_parallel) if c > 1 or ep > 1 else []
     if model.heads % t:
         notes.append(f"TP {t} does not divide the {model.heads} attention heads")
-    if p * v > model.layers + 2:  # the embedding and the output layer may fill one each
+    if not _chunks_fit(model.layers, p, v):
         notes.append(f"{p * v} pipeline chunks for {model.layers} layers")
     if batch % d:
         notes.append(f"DP {d} does not divide the global batch of {batch} sequences")
@@ -142,20 +136,8 @@ def _evaluate(
     )
     if notes:
         if tp_across:
-            return _invalid(
-                t,
-                p,
-                d,
-                zero,
-                mode,
-                b,
-                batch,
-                ["invalid", "TP across nodes"],
-                [*notes, across],
-                c,
-                ep,
-            )
-        return _invalid(t, p, d, zero, mode, b, batch, ["invalid"], notes, c, ep)
+            return _invalid(shape, batch, ["invalid", "TP across nodes"], [*notes, across])
+        return _invalid(shape, batch, ["invalid"], notes)
 
     m = batch // (d * b)
     s, h, gpn = model.seq_len, model.hidden, cluster.gpus_per_node
@@ -404,4 +386,5 @@ def evaluate(
         schedule,
         fp32_gradients,
     )
-    return _evaluate(model, cluster, batch, t, p, d, zero, mode, b, opt, c, ep)
+    shape = _Shape(tp=t, pp=p, dp=d, zero_stage=zero, recompute=mode, micro_batch=b, cp=c, ep=ep)
+    return _evaluate(_Problem(model, cluster, batch), shape, opt)
