@@ -18,6 +18,7 @@ from trainscale.context import (
     token_positions,
     ulysses_bytes_per_rank,
     ulysses_heads_per_rank,
+    ulysses_kv_replicas,
 )
 
 
@@ -88,10 +89,43 @@ def test_ulysses_bytes_by_hand():
     assert ulysses_bytes_per_rank(16, 4, 32, kv_hidden=8, bytes_per_value=8) == 7680
 
 
-def test_ulysses_head_limit():
+def test_ulysses_bytes_with_replicated_kv_heads_by_hand():
+    # 4 ranks, 1 key-value head of 8 copied 4 times: K and V each 32 wide; 3/4 * 16 * 8 * (64 + 64).
+    assert ulysses_bytes_per_rank(16, 4, 32, kv_hidden=8, bytes_per_value=8, kv_heads=1) == 12288
+    # 2 key-value heads of 4 on 4 ranks, copied twice: K and V 16 wide; 3/4 * 16 * 8 * (64 + 32).
+    assert ulysses_bytes_per_rank(16, 4, 32, kv_hidden=8, bytes_per_value=8, kv_heads=2) == 9216
+    # 8 key-value heads on 4 ranks need no copy: as without kv_heads (7,680 above).
+    assert ulysses_bytes_per_rank(16, 4, 32, kv_hidden=8, bytes_per_value=8, kv_heads=8) == 7680
+
+
+@given(st.integers(1, 64), st.sampled_from([1, 2, 4, 8, 16]))
+def test_one_replicated_kv_head_sends_what_an_all_gather_sends(local, ranks):
+    # K and V of one head: (N - 1)/N of N copies = (N - 1) blocks each, the all-gather's bytes.
+    ulysses = ulysses_bytes_per_rank(local, ranks, 64 * ranks, kv_hidden=64, kv_heads=1)
+    queries_and_output = ulysses_bytes_per_rank(local, ranks, 64 * ranks, kv_hidden=1) - (
+        ulysses_bytes_per_rank(local, ranks, 1, kv_hidden=1) / 2
+    )
+    assert ulysses - queries_and_output == pytest.approx(ring_bytes_per_rank(local, ranks, 64))
+
+
+def test_ulysses_head_limit_is_the_query_heads():
     assert ulysses_heads_per_rank(32, 8) == 4
+    assert ulysses_heads_per_rank(16, 16) == 1  # Llama 3 405B after TP 8: 128 / 8 query heads
     with pytest.raises(ValueError, match="heads must be divisible"):
         ulysses_heads_per_rank(6, 4)
+    with pytest.raises(ValueError, match="heads must be divisible"):
+        ulysses_heads_per_rank(16, 32)
+
+
+def test_ulysses_kv_replicas_by_hand():
+    assert ulysses_kv_replicas(8, 4) == 1  # two key-value heads per rank
+    assert ulysses_kv_replicas(8, 8) == 1
+    assert ulysses_kv_replicas(8, 16) == 2  # DeepSpeed's "4 kv heads and sp 8: replicate 2x"
+    assert ulysses_kv_replicas(1, 16) == 16  # one head, on every rank: an all-gather
+    with pytest.raises(ValueError, match="kv_heads must be divisible"):
+        ulysses_kv_replicas(6, 4)
+    with pytest.raises(ValueError, match="kv_heads"):
+        ulysses_bytes_per_rank(16, 4, 32, kv_hidden=24, kv_heads=3)
 
 
 def test_cp_comm_to_compute_by_hand():

@@ -11,7 +11,10 @@ every earlier key and value, which the ranks exchange in one of two ways:
   again, with their gradients, which travel one step more to reach their owner;
 * **all-to-all** (DeepSpeed-Ulysses, Jacobs et al. 2023): four all-to-alls
   swap the split from the sequence to the heads and back, so each rank runs
-  full-length attention on ``heads / N`` heads.
+  full-length attention on ``heads / N`` query heads. With grouped-query
+  attention and fewer key-value heads than ranks, each key-value head is copied
+  before the all-to-all (:func:`ulysses_kv_replicas`), so only the query heads
+  limit the degree.
 
 Causal masking makes the ring uneven: with a contiguous split rank ``r``'s
 queries see the keys of ranks ``0 .. r`` only. The zig-zag layout (each rank
@@ -21,7 +24,9 @@ This module holds the chapter's formulas: which tokens each rank holds
 (:func:`token_positions`), the attention work each rank does
 (:func:`ring_schedule`, :func:`attention_blocks_per_rank`,
 :func:`causal_pairs_per_rank`, :func:`attention_flops_per_rank`), the bytes
-each rank sends (:func:`ring_bytes_per_rank`, :func:`ulysses_bytes_per_rank`),
+each rank sends (:func:`ring_bytes_per_rank`, :func:`ulysses_bytes_per_rank`), how
+DeepSpeed-Ulysses deals out the heads (:func:`ulysses_heads_per_rank`,
+:func:`ulysses_kv_replicas`),
 and when the ring's traffic hides under its compute, against tensor
 parallelism's (:func:`cp_comm_to_compute`, :func:`cp_beats_tp_local_tokens`).
 """
@@ -119,7 +124,14 @@ def attention_blocks_per_rank(ranks: int, layout: str = "contiguous") -> list[fl
     The sum over the steps of :func:`ring_schedule`. ``contiguous``: rank ``r``
     sees the keys of ranks ``0 .. r``, ``r + 1`` blocks, from ``1`` to ``N``.
     ``zigzag``: ``1 + (N - 1)/2 = (N + 1)/2`` on every rank. Both total
-    ``N (N + 1) / 2`` blocks.
+    ``N (N + 1) / 2`` blocks. The busiest contiguous rank does ``2N/(N + 1)``
+    times the mean.
+
+    The diagonal block counts whole here, as a kernel that computes a masked block
+    densely does it (the chapter's ring does). A causal kernel that skips the
+    masked tiles inside it does half of it, ``r + 1/2`` blocks on rank ``r``, so
+    in FLOPs (:func:`causal_pairs_per_rank`) the busiest rank does
+    ``(N - 1/2) / (N/2) = (2N - 1)/N`` times the mean, for long sequences.
     """
     return [sum(blocks for _, blocks in steps) for steps in ring_schedule(ranks, layout)]
 
@@ -197,32 +209,64 @@ def ulysses_bytes_per_rank(
     kv_hidden: int | None = None,
     bytes_per_value: float = 2,
     batch: int = 1,
+    *,
+    kv_heads: int | None = None,
 ) -> float:
     """Bytes one rank sends for one layer's all-to-all attention, forward (backward the same).
 
     Each all-to-all keeps ``1/N`` of a rank's tensor and sends the rest:
     ``(N - 1)/N`` of ``b L h`` values for the queries and the output, of
     ``b L h_kv`` for the keys and the values (``kv_hidden``, default ``hidden``).
+    With ``kv_heads`` (the key-value heads that make up ``kv_hidden``) fewer than
+    ``N``, each is copied ``N / kv_heads`` times before the all-to-all
+    (:func:`ulysses_kv_replicas`), so the keys and values each send ``(N - 1)/N``
+    of ``b L h_kv N / kv_heads`` values; with one key-value head that is
+    ``(N - 1) b L h_kv``, what an all-gather of the keys (or values) sends.
     Backward sends the gradients of the same four tensors.
     """
     n = _checks.count("ranks", ranks, minimum=1)
     width = _checks.count("hidden", hidden, minimum=1)
     kv_width = width if kv_hidden is None else _checks.count("kv_hidden", kv_hidden, minimum=1)
+    if kv_heads is not None:
+        kv_width *= ulysses_kv_replicas(kv_heads, n)
     per_width = kv_block_bytes(local_tokens, 1, bytes_per_value, batch)
     return (n - 1) / n * per_width * (2 * width + 2 * kv_width)
 
 
 def ulysses_heads_per_rank(heads: int, ranks: int) -> int:
-    """Heads each rank attends over in DeepSpeed-Ulysses: ``heads / N``, which must be whole.
+    """Query heads each rank attends over in DeepSpeed-Ulysses: ``heads / N``, which must be whole.
 
-    The all-to-all hands out whole heads, so the CP degree cannot exceed the
-    number of (key-value) heads and must divide it.
+    The all-to-all hands out whole query heads, so the CP degree must divide the
+    number of query heads (``ValueError`` naming ``heads`` otherwise). The
+    key-value heads do not limit it: :func:`ulysses_kv_replicas`.
     """
     h = _checks.count("heads", heads, minimum=1)
     n = _checks.count("ranks", ranks, minimum=1)
     if h % n:
         raise ValueError(f"heads must be divisible by the CP degree ranks = {n}, got {h}")
     return h // n
+
+
+def ulysses_kv_replicas(kv_heads: int, ranks: int) -> int:
+    """Copies DeepSpeed-Ulysses makes of each key-value head before its all-to-all.
+
+    ``1`` when ``N`` divides ``kv_heads`` (each rank gets ``kv_heads / N`` of
+    them); ``N / kv_heads`` when ``kv_heads`` divides ``N``: each head is
+    repeated so that every rank gets one, the one its query heads share (as
+    DeepSpeed's ``UlyssesSPAttentionHF`` does: ``kv_replication_factor =
+    world_size // kv_head_count``). With one key-value head every rank receives
+    all of it, and the all-to-all of the keys (and values) is an all-gather.
+    ``ValueError`` naming ``kv_heads`` if neither divides the other.
+    """
+    kv = _checks.count("kv_heads", kv_heads, minimum=1)
+    n = _checks.count("ranks", ranks, minimum=1)
+    if kv % n == 0:
+        return 1
+    if n % kv == 0:
+        return n // kv
+    raise ValueError(
+        f"kv_heads must be divisible by the CP degree ranks = {n} or divide it, got {kv}"
+    )
 
 
 def cp_comm_to_compute(

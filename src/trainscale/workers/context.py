@@ -14,11 +14,19 @@ group, each a differentiable function of tensors shaped
   sequence and skips the parts of each block the causal mask hides, so every rank
   does the same work;
 * :func:`ulysses_attention`: all-to-alls trade the sequence split for a head
-  split, each rank attends over the whole sequence for ``heads / N`` heads, and
-  the output goes back (Jacobs et al. 2023, "DeepSpeed-Ulysses").
+  split, each rank attends over the whole sequence for ``heads / N`` query
+  heads, and the output goes back (Jacobs et al. 2023, "DeepSpeed-Ulysses").
+  With grouped-query attention and fewer key-value heads than ranks, each
+  key-value head is first copied ``N / kv_heads`` times, as DeepSpeed's
+  ``UlyssesSPAttentionHF`` does, so that every rank gets the one its query
+  heads share.
 
-Both can count what they do in a :class:`Tally` (bytes sent, blocks of attention
-computed, visible query-key pairs). :func:`worker` runs both, forward and
+Both take grouped-query attention (keys and values with fewer heads than the
+queries, query head ``i`` using key-value head ``i // (heads / kv_heads)``),
+and both can count what they do in a :class:`Tally`: bytes handed to the
+transport, bytes it delivered (counted in the receive buffers, which start as
+NaN: an element counts once the transport has overwritten it), blocks of
+attention computed, visible query-key pairs. :func:`worker` runs both, forward and
 backward, on a sequence drawn from a seed, and tries PyTorch's own
 ``context_parallel``. The same file runs on a GPU node, one process per GPU::
 
@@ -36,19 +44,27 @@ import torch.distributed as dist
 from torch.nn import functional as F
 
 from trainscale import _checks
-from trainscale.context import token_positions, ulysses_heads_per_rank
+from trainscale.context import token_positions, ulysses_heads_per_rank, ulysses_kv_replicas
 from trainscale.distributed import device, torchrun_main
 
 
 @dataclass
 class Tally:
-    """What one rank did: bytes it sent and attention work, per pass.
+    """What one rank did: bytes it sent and received, and attention work, per pass.
 
+    ``bytes_sent`` adds up the tensors handed to the send calls (for an
+    all-to-all, the slices bound for other ranks); ``bytes_received`` counts
+    what arrived from other ranks: the receive buffers start as NaN, and an
+    element counts once the transport has overwritten it (the inputs hold no
+    NaN); ``received_per_call`` lists what each transfer brought, in order (in
+    Ulysses' forward: the queries, the keys, the values, then the output).
     ``blocks`` counts computed scores in units of one rank's queries against one
     rank's keys (``L x L``); ``pairs`` counts the visible (query, key) pairs.
     """
 
     bytes_sent: dict[str, int] = field(default_factory=lambda: {"forward": 0, "backward": 0})
+    bytes_received: dict[str, int] = field(default_factory=lambda: {"forward": 0, "backward": 0})
+    received_per_call: list[int] = field(default_factory=list)
     blocks: float = 0.0
     pairs: int = 0
 
@@ -64,20 +80,54 @@ def _group_ranks(group: dist.ProcessGroup | None) -> tuple[int, int, int, int]:
     return rank, size, members[(rank + 1) % size], members[(rank - 1) % size]
 
 
+def _receive_buffer(like: torch.Tensor, tally: Tally | None) -> torch.Tensor:
+    """A contiguous buffer shaped as ``like``; all NaN when counting, so unfilled elements show.
+
+    Contiguous whatever ``like``'s strides: the transport fills the storage in order.
+    """
+    if tally is None:
+        return torch.empty_like(like, memory_format=torch.contiguous_format)
+    return torch.full_like(like, float("nan"), memory_format=torch.contiguous_format)
+
+
+def _delivered(received: torch.Tensor) -> int:
+    """Bytes of ``received`` that the transport filled: its elements that are no longer NaN."""
+    return int(received.numel() - received.isnan().sum().item()) * received.element_size()
+
+
 def _start_rotation(
     tensor: torch.Tensor, after: int, before: int, tally: Tally | None, phase: str
 ) -> tuple[torch.Tensor, list]:
     """Send ``tensor`` to rank ``after`` and receive its twin from ``before``, without waiting."""
-    incoming = torch.empty_like(tensor)
+    incoming = _receive_buffer(tensor, tally)
     ops = [dist.P2POp(dist.isend, tensor, after), dist.P2POp(dist.irecv, incoming, before)]
     if tally is not None:
         tally.bytes_sent[phase] += tensor.numel() * tensor.element_size()
     return incoming, dist.batch_isend_irecv(ops)
 
 
-def _finish(requests: list) -> None:
+def _finish(
+    requests: list, incoming: torch.Tensor, tally: Tally | None = None, phase: str = "forward"
+) -> None:
+    """Wait for a rotation; with ``tally``, count the bytes that arrived in ``incoming``."""
     for request in requests:
         request.wait()
+    if tally is not None:
+        tally.bytes_received[phase] += _delivered(incoming)
+        tally.received_per_call.append(_delivered(incoming))
+
+
+def _expand(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """Each key-value head repeated ``groups`` times: copy ``i`` is head ``i // groups``."""
+    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
+
+
+def _fold(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """The inverse of :func:`_expand` for gradients: the sum over each key-value head's copies."""
+    if groups == 1:
+        return t
+    b, h, s, d = t.shape
+    return t.reshape(b, h // groups, groups, s, d).sum(dim=2)
 
 
 def _visible_parts(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool) -> Part | None:
@@ -178,6 +228,7 @@ class RingAttention(torch.autograd.Function):
         out = torch.zeros_like(q)
         row_max = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
         row_sum = torch.zeros(q.shape[:-1], dtype=q.dtype, device=q.device)
+        groups = q.shape[1] // k.shape[1]
         kv = torch.stack([k, v]).contiguous()
         for step in range(size):
             if step < size - 1:  # start passing the block on before computing with it
@@ -185,10 +236,11 @@ class RingAttention(torch.autograd.Function):
             source = (rank - step) % size
             part = _visible_parts(my_pos, _positions(source, size, local, layout, q.device), causal)
             if part is not None:
-                _merge_block(q, kv[0], kv[1], part, scale, out, row_max, row_sum)
+                k_all, v_all = _expand(kv[0], groups), _expand(kv[1], groups)
+                _merge_block(q, k_all, v_all, part, scale, out, row_max, row_sum)
             _count_work(tally, part, local)
             if step < size - 1:
-                _finish(requests)
+                _finish(requests, incoming, tally, "forward")
                 kv = incoming
         out = out / row_sum[..., None]
         lse = row_max + torch.log(row_sum)
@@ -205,19 +257,27 @@ class RingAttention(torch.autograd.Function):
         my_pos = _positions(rank, size, local, layout, q.device)
         delta = (d_out * out).sum(dim=-1)  # D = rowsum(dO * O), as in FlashAttention-2
         dq = torch.zeros_like(q)
+        groups = q.shape[1] // k.shape[1]
         kv = torch.stack([k, v]).contiguous()
         dkv = torch.zeros_like(kv)
         for step in range(size):
             source = (rank - step) % size
             part = _visible_parts(my_pos, _positions(source, size, local, layout, q.device), causal)
             if part is not None:
-                grads = (dq, dkv[0], dkv[1])
-                _block_gradients((q, kv[0], kv[1]), part, scale, (lse, d_out, delta), grads)
+                k_all, v_all = _expand(kv[0], groups), _expand(kv[1], groups)
+                dk_all, dv_all = torch.zeros_like(k_all), torch.zeros_like(v_all)
+                grads = (dq, dk_all, dv_all)
+                _block_gradients((q, k_all, v_all), part, scale, (lse, d_out, delta), grads)
+                dkv[0] += _fold(dk_all, groups)
+                dkv[1] += _fold(dv_all, groups)
+            # No overlap here: each transfer is waited for before the next block's work.
             if step < size - 1:  # keys, values and their gradients move on together
-                kv, requests = _start_rotation(kv, after, before, tally, "backward")
-                _finish(requests)
-            dkv, requests = _start_rotation(dkv, after, before, tally, "backward")
-            _finish(requests)  # after the last step, this brings each rank its own dK, dV
+                incoming, requests = _start_rotation(kv, after, before, tally, "backward")
+                _finish(requests, incoming, tally, "backward")
+                kv = incoming
+            incoming, requests = _start_rotation(dkv, after, before, tally, "backward")
+            _finish(requests, incoming, tally, "backward")
+            dkv = incoming  # after the last step, this brings each rank its own dK, dV
         return dq, dkv[0], dkv[1], None, None, None, None
 
 
@@ -233,8 +293,10 @@ def ring_attention(
 ) -> torch.Tensor:
     """Attention over a sequence split across ``group``, keys and values passed round a ring.
 
-    ``q``, ``k``, ``v``: this rank's tokens, ``(batch, heads, local_seq, head_dim)``,
-    the same ``local_seq`` on every rank; in the order :func:`trainscale.context.token_positions`
+    ``q``: this rank's tokens, ``(batch, heads, local_seq, head_dim)``, the same
+    ``local_seq`` on every rank; ``k``, ``v``: ``(batch, kv_heads, local_seq,
+    head_dim)``, ``kv_heads`` dividing ``heads`` (grouped-query attention; the
+    ring passes only these); in the order :func:`trainscale.context.token_positions`
     gives for ``layout`` (``"contiguous"``: rank ``r`` holds tokens
     ``r L .. (r+1) L - 1``; ``"zigzag"``: chunks ``r`` and ``2N - 1 - r`` of ``2N``).
     Returns this rank's rows of ``softmax(q k^T / sqrt(head_dim)) v``, causal if
@@ -248,10 +310,19 @@ def ring_attention(
 
 
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    if q.dim() != 4 or q.shape != k.shape or q.shape != v.shape:
+    """``q`` is ``(batch, heads, local_seq, head_dim)``; ``k`` and ``v`` share a shape with
+    ``kv_heads`` dividing ``heads`` in place of ``heads`` (grouped-query attention)."""
+    shapes = f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
         raise ValueError(
-            "q, k and v must share one shape (batch, heads, local_seq, head_dim), got "
-            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+            "q, k and v must be (batch, heads, local_seq, head_dim), k and v of one shape,"
+            f" got {shapes}"
+        )
+    same = (q.shape[0], q.shape[2], q.shape[3]) == (k.shape[0], k.shape[2], k.shape[3])
+    if not same or q.shape[1] % k.shape[1]:
+        raise ValueError(
+            "k and v must match q but for their heads, which must divide q's"
+            f" (grouped-query attention), got {shapes}"
         )
 
 
@@ -273,11 +344,15 @@ def _all_to_all(
     x: torch.Tensor, group: dist.ProcessGroup | None, tally: Tally | None, phase: str
 ) -> torch.Tensor:
     """Send the ``i``-th slice of ``x`` along dim 0 to rank ``i``; stack what arrives."""
-    received = torch.empty_like(x)
+    received = _receive_buffer(x, tally)
     dist.all_to_all_single(received, x.contiguous(), group=group)
     if tally is not None:
-        size = dist.get_world_size(group)
-        tally.bytes_sent[phase] += x.numel() * x.element_size() * (size - 1) // size
+        me = dist.get_rank(group)
+        others = [i for i in range(x.shape[0]) if i != me]
+        tally.bytes_sent[phase] += sum(x[i].numel() for i in others) * x.element_size()
+        arrived = sum(_delivered(received[i]) for i in others)
+        tally.bytes_received[phase] += arrived
+        tally.received_per_call.append(arrived)
     return received
 
 
@@ -314,21 +389,40 @@ def ulysses_attention(
 ) -> torch.Tensor:
     """Attention over a sequence split across ``group``, by swapping the split to the heads.
 
-    ``q``, ``k``, ``v``: this rank's contiguous slice of the sequence,
-    ``(batch, heads, local_seq, head_dim)``. Three all-to-alls give each rank
-    the whole sequence for ``heads / N`` heads; it attends; a fourth returns
-    its slice of the output. ``heads`` must be divisible by the group's size
-    (``ValueError`` otherwise, before any communication). Differentiable.
+    ``q``: this rank's contiguous slice of the sequence, ``(batch, heads,
+    local_seq, head_dim)``; ``k``, ``v``: the same with ``kv_heads`` dividing
+    ``heads`` (grouped-query attention). Three all-to-alls give each rank the
+    whole sequence for ``heads / N`` query heads and the key-value heads they
+    share; it attends; a fourth returns its slice of the output. ``heads`` must
+    be divisible by the group's size ``N``; ``kv_heads`` divisible by ``N`` or
+    dividing it (:func:`trainscale.context.ulysses_kv_replicas`: fewer
+    key-value heads than ranks are copied ``N / kv_heads`` times before the
+    all-to-all, and their gradients summed back in backward). ``ValueError``
+    otherwise, before any communication. Differentiable.
     """
     _check_qkv(q, k, v)
-    ulysses_heads_per_rank(q.shape[1], dist.get_world_size(group))
-    by_heads = [_sequence_to_heads(t, group, tally) for t in (q, k, v)]
-    out = F.scaled_dot_product_attention(*by_heads, is_causal=_checks.boolean("causal", causal))
+    size = dist.get_world_size(group)
+    ulysses_heads_per_rank(q.shape[1], size)
+    replicas = ulysses_kv_replicas(k.shape[1], size)
+    k, v = _expand(k, replicas), _expand(v, replicas)
+    q_h, k_h, v_h = (_sequence_to_heads(t, group, tally) for t in (q, k, v))
+    groups = q_h.shape[1] // k_h.shape[1]  # query heads per key-value head on this rank
+    causal = _checks.boolean("causal", causal)
+    out = F.scaled_dot_product_attention(
+        q_h, _expand(k_h, groups), _expand(v_h, groups), is_causal=causal
+    )
     return _heads_to_sequence(out, group, tally)
 
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True):
-    """Plain attention on the whole sequence in one process, written out in full."""
+    """Plain attention on the whole sequence in one process, written out in full.
+
+    With fewer key-value heads than query heads (grouped-query attention), query
+    head ``i`` attends with key-value head ``i // (heads / kv_heads)``.
+    """
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1)
+    v = v.repeat_interleave(groups, dim=1)
     scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
     if causal:
         seq = q.shape[-2]
@@ -338,11 +432,17 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
 
 
 def sequence_inputs(
-    batch: int = 1, heads: int = 2, seq: int = 64, head_dim: int = 8, seed: int = 0
+    batch: int = 1,
+    heads: int = 2,
+    seq: int = 64,
+    head_dim: int = 8,
+    seed: int = 0,
+    kv_heads: int | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Queries, keys, values and an output gradient for the whole sequence, float64.
 
-    Drawn in float64 from ``seed``, the same on every rank and every CPU.
+    Drawn in float64 from ``seed``, the same on every rank and every CPU. Keys and
+    values have ``kv_heads`` heads (default ``heads``), which must divide ``heads``.
     """
     g = torch.Generator().manual_seed(_checks.count("seed", seed))
     shape = (
@@ -351,7 +451,14 @@ def sequence_inputs(
         _checks.count("seq", seq, minimum=1),
         _checks.count("head_dim", head_dim, minimum=1),
     )
-    return tuple(torch.randn(shape, generator=g, dtype=torch.float64) for _ in range(4))
+    kv = heads if kv_heads is None else _checks.count("kv_heads", kv_heads, minimum=1)
+    if heads % kv:
+        raise ValueError(f"kv_heads must divide heads = {heads}, got {kv_heads}")
+    kv_shape = (shape[0], kv, *shape[2:])
+    return tuple(
+        torch.randn(size, generator=g, dtype=torch.float64)
+        for size in (shape, kv_shape, kv_shape, shape)
+    )
 
 
 def _my_tokens(
@@ -384,6 +491,8 @@ def _run(
         **plain,
         "positions": token_positions(d_out.shape[-2], size, rank, split),
         "bytes sent": dict(tally.bytes_sent),
+        "bytes received": dict(tally.bytes_received),
+        "received per call": list(tally.received_per_call),
         "blocks": tally.blocks,
         "pairs": tally.pairs,
     }
@@ -417,19 +526,23 @@ def worker(
     seed: int = 0,
     try_torch: bool = True,
     causal: bool = True,
+    kv_heads: int | None = None,
 ) -> dict:
     """Attention on ``world_size * local_seq`` tokens, three ways, forward and backward.
 
-    Returns, per variant (``"ring"``, ``"ring zigzag"``, ``"ulysses"``), this
-    rank's output and gradients (float64), the positions of its tokens, the bytes
-    it sent per pass, and the attention work it did; and, with ``try_torch``,
-    what PyTorch's ``context_parallel`` gave (``"torch"``: output or error).
+    ``kv_heads`` (default ``heads``): the keys' and values' heads, grouped-query
+    attention when fewer. Returns, per variant (``"ring"``, ``"ring zigzag"``,
+    ``"ulysses"``), this rank's output and gradients (float64), the positions of
+    its tokens, the bytes it sent and received per pass, and the attention work
+    it did; and, with ``try_torch``, what PyTorch's ``context_parallel`` gave
+    (``"torch"``: output or error).
     """
     _checks.count("local_seq", local_seq, minimum=2)
     if local_seq % 2:
         raise ValueError(f"local_seq must be even (zig-zag halves it), got {local_seq}")
     ulysses_heads_per_rank(heads, world_size)
-    inputs = sequence_inputs(batch, heads, world_size * local_seq, head_dim, seed)
+    ulysses_kv_replicas(heads if kv_heads is None else kv_heads, world_size)
+    inputs = sequence_inputs(batch, heads, world_size * local_seq, head_dim, seed, kv_heads)
     q_k_v, d_out = inputs[:3], inputs[3]
     mask = {"causal": _checks.boolean("causal", causal)}
     result = {
@@ -444,19 +557,23 @@ def worker(
     ring, zigzag = result["ring"], result["ring zigzag"]
     print(
         f"blocks of attention: ring {ring['blocks']:g}, zig-zag {zigzag['blocks']:g};"
-        f" sent {ring['bytes sent']['forward']:,} B forward, {ring['bytes sent']['backward']:,} B"
-        " backward"
+        f" received {ring['bytes received']['forward']:,} B forward,"
+        f" {ring['bytes received']['backward']:,} B backward"
     )
     return result
 
 
 def main(rank: int, world_size: int) -> None:
-    """``torchrun`` entry: run :func:`worker`; rank 0 compares with one-process attention."""
-    heads = world_size
-    got = worker(rank, world_size, heads=heads, try_torch=False)
+    """``torchrun`` entry: run :func:`worker`; rank 0 compares with one-process attention.
+
+    Grouped-query attention with one key-value head for ``2 N`` query heads: the
+    case where Ulysses copies the key-value head to every rank.
+    """
+    heads, kv_heads = 2 * world_size, 1
+    got = worker(rank, world_size, heads=heads, try_torch=False, kv_heads=kv_heads)
     if rank != 0:
         return
-    *q_k_v, d_out = sequence_inputs(heads=heads, seq=16 * world_size)
+    *q_k_v, d_out = sequence_inputs(heads=heads, seq=16 * world_size, kv_heads=kv_heads)
     q, k, v = (t.requires_grad_(True) for t in q_k_v)
     expected = reference_attention(q, k, v)
     expected.backward(d_out)
