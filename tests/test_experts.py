@@ -1,5 +1,6 @@
 """experts: capacity, routing with drops, the balancing loss, the MoE layer, EP traffic."""
 
+import itertools
 import math
 
 import pytest
@@ -136,6 +137,30 @@ def test_balancing_loss_is_one_when_even_and_e_when_collapsed():
     assert ex.load_balancing_loss(collapsed, torch.zeros(8, 1, dtype=torch.long)).item() == 4.0
 
 
+@pytest.mark.parametrize(("experts", "top_k"), [(8, 2), (8, 4), (6, 3), (5, 1)])
+def test_balancing_loss_peaks_at_e_over_k(experts, top_k):
+    """All tokens on the same k experts, with all the probability: f = 1/k on each of
+    them, P sums to 1 over them, so E * sum f P = E * (1/k) * 1 = E/k (8/2 = 4, 8/4 = 2,
+    6/3 = 2, Switch's k = 1: E = 5). An even router still gives 1."""
+    collapsed = torch.zeros(6, experts, dtype=torch.float64)
+    collapsed[:, :top_k] = 1 / top_k
+    chosen = torch.arange(top_k).repeat(6, 1)
+    assert ex.load_balancing_loss(collapsed, chosen).item() == pytest.approx(experts / top_k)
+    even = torch.full((experts, experts), 1 / experts, dtype=torch.float64)
+    rotations = torch.stack([(torch.arange(top_k) + t) % experts for t in range(experts)])
+    assert ex.load_balancing_loss(even, rotations).item() == pytest.approx(1.0)
+
+
+@given(st.integers(2, 8), st.integers(1, 8), st.integers(1, 12), st.integers(0, 10_000))
+def test_balancing_loss_never_exceeds_e_over_k(experts, top_k, tokens, seed):
+    top_k = min(top_k, experts)
+    g = torch.Generator().manual_seed(seed)
+    probabilities = torch.rand(tokens, experts, generator=g, dtype=torch.float64)
+    probabilities /= probabilities.sum(dim=1, keepdim=True)
+    chosen = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    assert ex.load_balancing_loss(probabilities, chosen).item() <= experts / top_k + 1e-12
+
+
 def test_balancing_loss_gradient_flows_through_the_probabilities_only():
     logits = torch.zeros(4, 2, dtype=torch.float64, requires_grad=True)
     loss = ex.load_balancing_loss(logits.softmax(-1), torch.tensor([[0], [0], [0], [1]]))
@@ -254,3 +279,130 @@ def test_ep_ratio_is_the_bytes_formula_over_the_flops():
     comm_s = 4 * ex.all_to_all_bytes_per_rank(tokens, hidden, top_k, ep) / 50e9
     compute_s = 3 * 2 * 3 * hidden * ffn * top_k * tokens / (989e12 * 0.4)
     assert math.isclose(comm_s / compute_s, ex.ep_comm_to_compute(ffn, ep, 989e12, 0.4, 50e9))
+
+
+def test_link_ratio_by_hand():
+    # 4 network copies of a token's 8: (4 / 8) * 2 * 2 * 989e12 * 0.4 / (3 * 3 * 2,048 * 50e9)
+    # = 0.5 * 1.5824e15 / 9.216e14 = 0.858506944...
+    assert ex.link_comm_to_compute(4, 8, 2048, 989e12, 0.4, 50e9) == pytest.approx(
+        0.8585069444444444
+    )
+    # FP8 for two of the four all-to-alls: 1.5 bytes on average, 3/4 of the BF16 figure
+    fp8 = ex.link_comm_to_compute(4, 8, 2048, 989e12, 0.4, 50e9, 1.5)
+    assert fp8 == pytest.approx(0.75 * 0.8585069444444444)
+    assert ex.link_comm_to_compute(0, 8, 2048, 989e12, 0.4, 50e9) == 0
+    with pytest.raises(ValueError, match="copies"):
+        ex.link_comm_to_compute(-1, 8, 2048, 989e12, 0.4, 50e9)
+
+
+def test_ep_ratio_on_one_link_is_the_link_ratio_of_the_copies_that_leave():
+    one_link = ex.ep_comm_to_compute(2048, 64, 989e12, 0.4, 50e9)
+    copies = 8 * 63 / 64
+    assert one_link == pytest.approx(ex.link_comm_to_compute(copies, 8, 2048, 989e12, 0.4, 50e9))
+
+
+def test_ep_ratio_with_nodes_charges_same_node_copies_at_nvlink_speed():
+    # 64 GPUs in nodes of 8: 56/64 of the copies to other nodes at 50 GB/s:
+    # (56/64) * 1.717013888... = 1.502387152...; 7/64 at 160 GB/s: 0.0587; the slower wins
+    ratio = ex.ep_comm_to_compute(
+        2048, 64, 989e12, 0.4, 50e9, gpus_per_node=8, nvlink_bandwidth=160e9
+    )
+    assert ratio == pytest.approx(1.502387152777778)
+    assert ratio < ex.ep_comm_to_compute(2048, 64, 989e12, 0.4, 50e9)
+    # one node: nothing crosses the network, NVLink sets the time, (7/8) * 1.717 * 50/160
+    one_node = ex.ep_comm_to_compute(
+        2048, 8, 989e12, 0.4, 50e9, gpus_per_node=8, nvlink_bandwidth=160e9
+    )
+    assert one_node == pytest.approx(7 / 8 * 1.717013888888889 * 50 / 160)
+    # a slow NVLink can be the slower link: 7/64 at 5 GB/s beats 56/64 at 50 GB/s
+    slow = ex.ep_comm_to_compute(2048, 64, 989e12, 0.4, 50e9, gpus_per_node=8, nvlink_bandwidth=5e9)
+    assert slow == pytest.approx(7 / 64 * 1.717013888888889 * 10)
+    with pytest.raises(ValueError, match="ep must be a multiple of gpus_per_node"):
+        ex.ep_comm_to_compute(2048, 12, 989e12, 0.4, 50e9, gpus_per_node=8, nvlink_bandwidth=1e11)
+    with pytest.raises(ValueError, match="nvlink_bandwidth"):
+        ex.ep_comm_to_compute(2048, 64, 989e12, 0.4, 50e9, gpus_per_node=8)
+    with pytest.raises(ValueError, match="nvlink_bandwidth"):
+        ex.ep_comm_to_compute(2048, 64, 989e12, 0.4, 50e9, nvlink_bandwidth=1e11)
+
+
+def test_remote_nodes_by_hand():
+    # 4 experts on 2 nodes, top-2: the other node holds neither with probability
+    # C(2, 2) / C(4, 2) = 1/6, so it is reached 5/6 of the time
+    assert ex.remote_nodes(4, 2, 2) == pytest.approx(5 / 6)
+    # top-1: the expert is on another node with probability (n - 1) / n
+    assert ex.remote_nodes(256, 1, 8) == pytest.approx(7 / 8)
+    # DeepSeek-V3: 8 of 256 experts on 8 nodes of 32; C(224, 8) / C(256, 8) is the product
+    # (224 * 223 * ... * 217) / (256 * 255 * ... * 249) = 0.338168...; 7 * (1 - it) = 4.6328
+    none_there = math.prod((224 - i) / (256 - i) for i in range(8))
+    assert ex.remote_nodes(256, 8, 8) == pytest.approx(7 * (1 - none_there))
+    assert round(ex.remote_nodes(256, 8, 8), 2) == 4.63
+    assert ex.remote_nodes(8, 8, 4) == 3  # every expert chosen: every other node reached
+    with pytest.raises(ValueError, match="experts must be divisible by nodes"):
+        ex.remote_nodes(10, 2, 4)
+    with pytest.raises(ValueError, match="top_k"):
+        ex.remote_nodes(8, 9, 2)
+
+
+def test_remote_nodes_equals_counting_every_choice():
+    """6 experts on 3 nodes (2 each), top-3, the sender on node 0: all C(6, 3) = 20 choices."""
+    choices = list(itertools.combinations(range(6), 3))
+    reached = [len({e // 2 for e in c} - {0}) for c in choices]
+    assert ex.remote_nodes(6, 3, 3) == pytest.approx(sum(reached) / len(choices))
+
+
+# --- the independent reference --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("tokens", "experts", "top_k", "factor", "groups", "renormalise"),
+    [
+        (12, 4, 2, 1.0, 1, True),
+        (12, 4, 2, 0.5, 3, True),
+        (10, 4, 2, 1.25, 3, True),  # groups of 4, 3, 3
+        (9, 6, 3, 1.0, 2, False),
+        (8, 4, 1, 1.0, 2, False),  # Switch: top-1, the raw probability as the gate
+        (8, 4, 2, None, 1, True),
+    ],
+)
+def test_per_token_reference_agrees_with_the_layer(
+    tokens, experts, top_k, factor, groups, renormalise
+):
+    layer = ex.MoELayer(
+        4, 6, experts, top_k, factor, renormalise=renormalise, groups=groups, seed=3
+    )
+    x = ex.sample_tokens(tokens, 4, seed=2, skew=2.0)
+    run = ex.per_token_reference(
+        x,
+        layer.router,
+        layer.w_up,
+        layer.w_down,
+        top_k,
+        factor,
+        groups=groups,
+        renormalise=renormalise,
+    )
+    out = layer(x)
+    routing = layer.last_routing
+    assert torch.allclose(run.output, out, rtol=0, atol=1e-14)
+    assert run.dropped == routing.dropped
+    token, slot = torch.nonzero(routing.kept, as_tuple=True)
+    kept = {
+        (t, e) for t, e in zip(token.tolist(), routing.experts[token, slot].tolist(), strict=True)
+    }
+    assert set(run.kept) == kept and len(run.kept) == len(kept)
+
+
+def test_per_token_reference_by_hand():
+    """Two tokens, two experts, top-1, capacity 1 each: both prefer expert 0, token 1 is dropped."""
+    router = torch.tensor([[1.0, 0.0], [0.0, 0.0]], dtype=torch.float64)
+    w_up = torch.ones(2, 2, 1, dtype=torch.float64)
+    w_down = torch.ones(2, 1, 2, dtype=torch.float64)
+    x = torch.tensor([[2.0, 0.0], [1.0, 0.0]], dtype=torch.float64)
+    run = ex.per_token_reference(x, router, w_up, w_down, 1, 1.0, renormalise=False)
+    assert run.kept == [(0, 0)] and run.dropped == 1
+    # token 0: p_0 = e^2 / (e^2 + 1); z = 2, GELU(2) = 2 * Phi(2) = 1.954500;
+    # its output is p_0 * 1.9545 in both places
+    p0 = math.exp(2) / (math.exp(2) + 1)
+    gelu = 2 * 0.5 * (1 + math.erf(2 / math.sqrt(2)))
+    assert run.output[0].tolist() == pytest.approx([p0 * gelu] * 2)
+    assert run.output[1].tolist() == [0.0, 0.0]

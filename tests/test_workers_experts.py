@@ -58,20 +58,35 @@ def test_worker_refuses_uneven_splits_before_communicating(experts, tokens, matc
 
 
 @pytest.mark.slow  # two real gloo ranks
-def test_switch_style_top_1_on_two_ranks_equals_the_one_process_layer():
-    """Top-1 with the raw probability as the gate (not renormalised), as in Switch."""
+def test_switch_style_top_1_on_two_ranks_equals_the_per_token_reference():
+    """Top-1 with the raw probability as the gate (not renormalised), as in Switch, checked
+    against the per-token reference (no code shared with the worker's layer), and the bytes
+    that arrived against the reference's assignments that cross ranks."""
     tokens, hidden = 12, 4
-    layer = ex.MoELayer(hidden, 6, 4, 1, 1.0, renormalise=False, groups=2, seed=7)
+    layer = ex.MoELayer(hidden, 6, 4, 1, 1.0, renormalise=False, seed=7)
     state = _state(layer)
     results = run_ranks(wx.worker, 2, (state,), tokens, 1, (1.0,), 0, 1.0, False, timeout=120)
     x = ex.sample_tokens(tokens, hidden, skew=1.0).requires_grad_(True)
-    out = layer(x)
-    (out * wx.loss_weights(tokens, hidden)).sum().backward()
+    leaves = [
+        p.detach().clone().requires_grad_(True) for p in (layer.router, layer.w_up, layer.w_down)
+    ]
+    run = ex.per_token_reference(x, *leaves, 1, 1.0, groups=2, renormalise=False)
+    loss = (run.output * wx.loss_weights(tokens, hidden)).sum()
+    x_grad, router_grad, w_up_grad, _ = torch.autograd.grad(loss, [x, *leaves])
     got = [r[0][0] for r in results]
-    assert torch.allclose(torch.cat([g["output"] for g in got]), out, atol=1e-12)
-    assert torch.allclose(torch.cat([g["input gradient"] for g in got]), x.grad, atol=1e-12)
+    assert torch.allclose(torch.cat([g["output"] for g in got]), run.output, atol=1e-12)
+    assert torch.allclose(torch.cat([g["input gradient"] for g in got]), x_grad, atol=1e-12)
     w_up = torch.cat([g["expert gradients"]["w_up"] for g in got])
-    assert torch.allclose(w_up, layer.w_up.grad, atol=1e-12)
-    assert sum(g["dropped"] for g in got) == layer.last_routing.dropped > 0
+    assert torch.allclose(w_up, w_up_grad, atol=1e-12)
+    assert sum(g["dropped"] for g in got) == run.dropped > 0
     # the router is replicated: its gradient, summed over both ranks, is the whole one
-    assert all(torch.allclose(g["router gradient"], layer.router.grad, atol=1e-12) for g in got)
+    assert all(torch.allclose(g["router gradient"], router_grad, atol=1e-12) for g in got)
+    # bytes that arrived from the other rank: one float64 row per crossing assignment
+    crossing = [0, 0]
+    for token, expert in run.kept:
+        if token // 6 != expert // 2:
+            crossing[expert // 2] += 1
+    assert all(g["all rows arrived"] for g in got)
+    assert [g["bytes received"]["dispatch"][1 - r] for r, g in enumerate(got)] == [
+        n * hidden * 8 for n in crossing
+    ]

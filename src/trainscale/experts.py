@@ -23,13 +23,18 @@ pushes the router towards an even load.
 
 Expert parallelism (EP) puts the experts on different ranks; each token travels
 to its experts' ranks and back, two all-to-alls per layer in forward and two in
-backward. The bytes and their ratio to the experts' compute are here too.
+backward. The bytes and their ratio to the experts' compute are here too, on one kind
+of link or on nodes whose GPUs share NVLink, and the network copies of a dispatch that
+sends each token once per node (DeepSeek-V3's). :func:`per_token_reference` writes the
+layer a second time, token by token and sharing no code with it, to check the
+expert-parallel run against.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 
 import torch
 from torch import nn
@@ -147,8 +152,11 @@ def load_balancing_loss(probabilities: torch.Tensor, experts: torch.Tensor) -> t
     ``f_i``: the share of the ``tokens * k`` assignments that chose expert ``i``
     (counted, so no gradient flows through it); ``P_i``: the mean probability the
     router gives expert ``i`` (differentiable). An even router gives 1, whatever
-    ``E`` and ``k``; all tokens on one expert, with all the probability, gives ``E``.
-    Training multiplies it by a small weight (0.01 in the Switch Transformer).
+    ``E`` and ``k``. Its largest value is ``E / k``: a token's ``k`` experts are
+    distinct, so no ``f_i`` exceeds ``1 / k``, and the sum of the ``P_i`` is 1; it is
+    reached when every token picks the same ``k`` experts and they hold all the
+    probability (``E`` for the Switch Transformer's ``k = 1``). Training multiplies it
+    by a small weight (0.01 in the Switch Transformer).
     """
     if probabilities.dim() != 2 or experts.dim() != 2:
         raise ValueError("probabilities must be (tokens, E) and experts (tokens, k)")
@@ -243,6 +251,90 @@ class MoELayer(nn.Module):
         }
 
 
+# --- an independent reference ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReferenceRun:
+    """What :func:`per_token_reference` computed: ``output`` (tokens, hidden), differentiable
+    in every input; ``kept``: the (token, expert) assignments served, every first choice
+    before any second one, then in token order; ``dropped``: how many were not."""
+
+    output: torch.Tensor
+    kept: list[tuple[int, int]]
+    dropped: int
+
+
+def per_token_reference(
+    x: torch.Tensor,
+    router: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    top_k: int,
+    capacity_factor: float | None = None,
+    *,
+    groups: int = 1,
+    renormalise: bool = True,
+) -> ReferenceRun:
+    """The MoE layer written a second time, token by token, to check the first against.
+
+    Shares no code with :func:`route` or :class:`MoELayer`: for each token, its own
+    softmax of ``router @ x``, the ``top_k`` experts by sorting the probabilities in
+    Python, the gates (renormalised over the chosen ones unless ``renormalise`` is
+    false); then, in each of ``groups`` consecutive groups of tokens (the first
+    ``tokens % groups`` groups one token larger), places handed out choice by choice
+    and token by token up to ``ceil(capacity_factor * group * k / E)`` per expert
+    (computed in fractions); then each kept expert as ``GELU(x W_up) W_down``, with
+    GELU written out with ``erf``. Slow (a Python loop), and meant to be.
+    """
+    n_tokens, n_experts = x.shape[0], router.shape[0]
+    k = _checks.count("top_k", top_k, minimum=1)
+    n_groups = _checks.count("groups", groups, minimum=1)
+    chosen, gates = [], []
+    for t in range(n_tokens):
+        logits = router @ x[t]
+        exp = torch.exp(logits - logits.max())
+        p = exp / exp.sum()
+        values = p.tolist()
+        best = sorted(range(n_experts), key=lambda e: -values[e])[:k]
+        top = torch.stack([p[e] for e in best])
+        gates.append(top / top.sum() if renormalise else top)
+        chosen.append(best)
+    keep = [[True] * k for _ in range(n_tokens)]
+    if capacity_factor is not None:
+        size, extra = divmod(n_tokens, n_groups)
+        start = 0
+        for g in range(n_groups):
+            members = range(start, start + size + (1 if g < extra else 0))
+            start = members.stop
+            places = math.ceil(Fraction(str(capacity_factor)) * len(members) * k / n_experts)
+            taken = [0] * n_experts
+            for slot in range(k):
+                for t in members:
+                    e = chosen[t][slot]
+                    keep[t][slot] = taken[e] < places
+                    taken[e] += 1
+    served = sorted(
+        ((slot, t) for t in range(n_tokens) for slot in range(k) if keep[t][slot]),
+    )
+    rows = []
+    for t in range(n_tokens):
+        total = torch.zeros_like(x[t])
+        for slot in range(k):
+            if keep[t][slot]:
+                e = chosen[t][slot]
+                z = x[t] @ w_up[e]
+                total = total + gates[t][slot] * (
+                    (0.5 * z * (1 + torch.erf(z / 2**0.5))) @ w_down[e]
+                )
+        rows.append(total)
+    return ReferenceRun(
+        output=torch.stack(rows),
+        kept=[(t, chosen[t][slot]) for slot, t in served],
+        dropped=sum(not kept for row in keep for kept in row),
+    )
+
+
 # --- expert parallelism: traffic ------------------------------------------------------------
 
 
@@ -265,6 +357,44 @@ def all_to_all_bytes_per_rank(
     return n * h * k * (ranks - 1) / ranks * size
 
 
+def link_comm_to_compute(
+    copies: float,
+    top_k: int,
+    ffn: int,
+    peak_flops: float,
+    mfu: float,
+    bandwidth: float,
+    bytes_per_element: float = 2,
+    matrices_per_expert: int = 3,
+) -> float:
+    """Time of the four all-to-alls on one kind of link over the experts' compute (a ratio).
+
+    Each token sends ``copies`` copies of its ``hidden`` values over a link of
+    ``bandwidth`` bytes/s, in each of the four all-to-alls (dispatch and combine,
+    forward and backward), and its ``top_k`` experts do ``3 * 2 * matrices * hidden
+    * ffn`` FLOPs each (forward and backward) at ``peak_flops * mfu``. The hidden
+    size cancels:
+
+        ratio = (copies / k) * 2 * bytes * peak * mfu / (3 * matrices * ffn * bandwidth).
+
+    ``bytes_per_element`` is the mean over the four all-to-alls (DeepSeek-V3 sends
+    two of them in FP8 and two in BF16: 1.5). ``matrices_per_expert`` is 3 for a
+    SwiGLU expert (DeepSeek-V3, Mixtral), 2 for a plain MLP. Attention's compute and
+    the router are left out.
+    """
+    c = _checks.non_negative("copies", copies)
+    k = _checks.count("top_k", top_k, minimum=1)
+    f = _checks.count("ffn", ffn, minimum=1)
+    peak = _checks.positive("peak_flops", peak_flops)
+    share = _checks.positive("mfu", mfu, maximum=1)
+    link = _checks.positive("bandwidth", bandwidth)
+    size = _checks.positive("bytes_per_element", bytes_per_element)
+    m = _checks.count("matrices_per_expert", matrices_per_expert, minimum=1)
+    comm_per_hidden = ALL_TO_ALLS_PER_LAYER * c * size / link
+    compute_per_hidden = 3 * 2 * m * f * k / (peak * share)
+    return comm_per_hidden / compute_per_hidden
+
+
 def ep_comm_to_compute(
     ffn: int,
     ep: int,
@@ -273,29 +403,76 @@ def ep_comm_to_compute(
     bandwidth: float,
     bytes_per_element: float = 2,
     matrices_per_expert: int = 3,
+    *,
+    gpus_per_node: int | None = None,
+    nvlink_bandwidth: float | None = None,
 ) -> float:
-    """Time of a MoE layer's four all-to-alls over its experts' compute time (a ratio).
+    """Time of a MoE layer's four all-to-alls over its experts' compute time (a ratio),
+    under even routing, each copy of a token sent to its expert's rank by itself.
 
-    Per token and per chosen expert, forward and backward: the all-to-alls move
-    ``4 * hidden * (ep - 1) / ep * bytes`` at ``bandwidth`` bytes/s; the expert does
-    ``3 * 2 * matrices * hidden * ffn`` FLOPs at ``peak_flops * mfu``. The hidden
-    size and ``k`` cancel:
+    With ``gpus_per_node=None`` all ``ep`` ranks share one kind of link of
+    ``bandwidth`` bytes/s, and the share ``(ep - 1) / ep`` of the copies that leaves
+    the rank crosses it (:func:`link_comm_to_compute`; the hidden size and ``k``
+    cancel):
 
         ratio = 2 * bytes * (ep - 1) / ep * peak * mfu / (3 * matrices * ffn * bandwidth).
 
-    ``matrices_per_expert`` is 3 for a SwiGLU expert (DeepSeek-V3, Mixtral), 2 for
-    a plain MLP. Attention's compute and the router are left out.
+    With ``gpus_per_node=g`` the ranks fill nodes of ``g`` GPUs: the share
+    ``(ep - g) / ep`` of the copies goes to other nodes at ``bandwidth`` (the
+    network), the share ``(g - 1) / ep`` to the other GPUs of the same node at
+    ``nvlink_bandwidth``. The two kinds of link carry their copies at the same time,
+    so the all-to-alls last as long as the slower of the two: the larger ratio.
     """
-    f = _checks.count("ffn", ffn, minimum=1)
     ranks = _checks.count("ep", ep, minimum=1)
-    peak = _checks.positive("peak_flops", peak_flops)
-    share = _checks.positive("mfu", mfu, maximum=1)
-    link = _checks.positive("bandwidth", bandwidth)
-    size = _checks.positive("bytes_per_element", bytes_per_element)
-    m = _checks.count("matrices_per_expert", matrices_per_expert, minimum=1)
-    comm_per_hidden = ALL_TO_ALLS_PER_LAYER * (ranks - 1) / ranks * size / link
-    compute_per_hidden = 3 * 2 * m * f / (peak * share)
-    return comm_per_hidden / compute_per_hidden
+    if gpus_per_node is None:
+        if nvlink_bandwidth is not None:
+            raise ValueError("nvlink_bandwidth needs gpus_per_node, got gpus_per_node=None")
+        return link_comm_to_compute(
+            (ranks - 1) / ranks,
+            1,
+            ffn,
+            peak_flops,
+            mfu,
+            bandwidth,
+            bytes_per_element,
+            matrices_per_expert,
+        )
+    g = _checks.count("gpus_per_node", gpus_per_node, minimum=1)
+    if ranks % g:
+        raise ValueError(f"ep must be a multiple of gpus_per_node = {g}, got {ep}")
+    if nvlink_bandwidth is None:
+        raise ValueError("nvlink_bandwidth must be given with gpus_per_node")
+    args = (1, ffn, peak_flops, mfu)
+    network = link_comm_to_compute(
+        (ranks - g) / ranks, *args, bandwidth, bytes_per_element, matrices_per_expert
+    )
+    nvlink = link_comm_to_compute(
+        (g - 1) / ranks, *args, nvlink_bandwidth, bytes_per_element, matrices_per_expert
+    )
+    return max(network, nvlink)
+
+
+def remote_nodes(experts: int, top_k: int, nodes: int) -> float:
+    """Expected number of nodes other than the sender's that hold at least one of a
+    token's ``top_k`` experts, the ``k`` distinct experts drawn uniformly at random
+    from ``experts`` spread evenly over ``nodes`` nodes.
+
+    A dispatch that sends each token once per node it needs (and forwards it inside
+    that node over NVLink, as DeepSeek-V3's does) crosses the network this many times
+    per token. A node of ``E / nodes`` experts holds none of the ``k`` with
+    probability ``C(E - E/nodes, k) / C(E, k)``, so the answer is exactly
+
+        (nodes - 1) * (1 - C(E - E/nodes, k) / C(E, k)).
+    """
+    e = _checks.count("experts", experts, minimum=1)
+    k = _checks.count("top_k", top_k, minimum=1)
+    n = _checks.count("nodes", nodes, minimum=1)
+    if k > e:
+        raise ValueError(f"top_k must be <= experts = {e}, got {top_k}")
+    if e % n:
+        raise ValueError(f"experts must be divisible by nodes = {n}, got {experts}")
+    none_there = Fraction(math.comb(e - e // n, k), math.comb(e, k))
+    return float((n - 1) * (1 - none_there))
 
 
 # --- inputs and the balancing loss at work ----------------------------------------------------

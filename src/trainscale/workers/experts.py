@@ -42,7 +42,8 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows: torch.Tensor, send: list[int], receive: list[int]) -> torch.Tensor:
         ctx.sizes = (send, receive)
-        out = rows.new_empty((sum(receive), *rows.shape[1:]))
+        # NaN until written: the caller can check that every row arrived
+        out = rows.new_full((sum(receive), *rows.shape[1:]), float("nan"))
         dist.all_to_all_single(
             out, rows.contiguous(), output_split_sizes=receive, input_split_sizes=send
         )
@@ -125,6 +126,7 @@ def _moe_forward_backward(
     arrived = all_to_all(x[token], send, receive)  # dispatch
     computed = _experts_on_rows(layer, rank * per_rank, arrived, counts)
     returned = all_to_all(computed, receive, send)  # combine
+    complete = bool(arrived.isfinite().all() and returned.isfinite().all())
     weighted = returned * routing.gates[token, slot, None]
     out = torch.zeros_like(x).index_add(0, token, weighted)
     (out * weights).sum().backward()
@@ -132,7 +134,6 @@ def _moe_forward_backward(
     router_gradient = layer.router.grad.clone()
     dist.all_reduce(router_gradient)  # replicated weight: summed over ranks, as in DP
     mine = slice(rank * per_rank, (rank + 1) * per_rank)
-    row_bytes = x.shape[1] * x.element_size()
     return {
         "output": out.detach(),
         "input gradient": x.grad.clone(),
@@ -143,11 +144,17 @@ def _moe_forward_backward(
         },
         "dropped": routing.dropped,
         "rows sent": send,
-        "bytes sent": {
-            "dispatch": sum(n for r, n in enumerate(send) if r != rank) * row_bytes,
-            "combine": sum(n for r, n in enumerate(receive) if r != rank) * row_bytes,
+        "bytes received": {
+            "dispatch": _bytes_by_source(arrived, receive),
+            "combine": _bytes_by_source(returned, send),
         },
+        "all rows arrived": complete,
     }
+
+
+def _bytes_by_source(received: torch.Tensor, sizes: list[int]) -> list[int]:
+    """Bytes of the tensor ``all_to_all_single`` filled, cut into what came from each rank."""
+    return [part.numel() * part.element_size() for part in received.detach().split(sizes)]
 
 
 def worker(
@@ -171,8 +178,10 @@ def worker(
     ``renormalise``: whether the gates are renormalised over the chosen experts.
     Each result (capacity factor ``None``: no capacity) is a dict of this rank's
     output rows, input gradient, the summed router gradient, its experts'
-    gradients, the assignments it dropped, the rows it sent to each rank and the
-    bytes it sent to other ranks in the dispatch and in the combine.
+    gradients, the assignments it dropped, the rows it handed to ``all_to_all_single``
+    for each rank, the bytes of the tensors that call filled, from each rank, in the
+    dispatch and in the combine, and whether every received row was written (the
+    buffers start as NaN).
     """
     if not states:
         raise ValueError("states must hold at least one set of weights, got none")
@@ -236,7 +245,8 @@ def main(rank: int, world_size: int) -> None:
     router_error = (got["router gradient"] - layer.router.grad).abs().max().item()
     print(f"rank 0: output {error:.1e}, input gradient {grad_error:.1e},", end=" ")
     print(f"router gradient {router_error:.1e} from the one-process layer")
-    print(f"rank 0 dropped {got['dropped']} assignments, sent {got['bytes sent']} bytes")
+    received = got["bytes received"]["dispatch"]
+    print(f"rank 0 dropped {got['dropped']} assignments, received {received} bytes by source")
 
 
 if __name__ == "__main__":
