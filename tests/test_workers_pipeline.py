@@ -288,3 +288,7 @@ def test_zero_bubble_worker_reports_a_schedule_pytorch_refuses():
     )
     assert not ran["losses"] and len(ran_1["losses"]) == 2  # rank 1 holds the last piece
     assert len(ran["grads"]) == len(ran_1["grads"]) == 8  # 2 blocks x 2 linears x 2 tensors
+    # ZB-H1 on 2 stages with 2 micro-batches holds both on each stage until their W pass:
+    # 2 x 5,120 bytes x 2 (float64) = 20,480; the last stage also keeps one micro-batch's
+    # loss (2 x 2 x 32 values x 8 bytes = 1,024) until its B
+    assert (ran["peak_saved_bytes"], ran_1["peak_saved_bytes"]) == ([20_480], [21_504])

@@ -303,7 +303,11 @@ def zero_bubble_worker(
     PyTorch refuses to build is reported, not run: its dict holds ``error``, the
     exception in one line. Otherwise, as :func:`worker`: ``schedule``,
     ``micro_batches``, ``chunks``, ``steps`` (per timed step, this rank's passes as
-    ``(kind, micro_batch, start, end, chunk)``), ``losses`` (on the rank that
+    ``(kind, micro_batch, start, end, chunk)``), ``peak_saved_bytes`` and
+    ``left_saved_bytes`` (per timed step, the most bytes autograd held for backward
+    on this rank's pieces at one time, and what it still held at the end, measured
+    with a :class:`SavedTensorMeter`; the output gradients a weight pass waits for
+    are not saved tensors and are not counted), ``losses`` (on the rank that
     computes the loss) and ``grads`` (named as in :func:`reference`).
     """
     from torch.distributed.pipelining import PipelineStage
@@ -336,7 +340,8 @@ def zero_bubble_worker(
         except (ValueError, NotImplementedError) as error:
             results.append({"schedule": name, "micro_batches": m, "error": _one_line(error)})
             continue
-        steps, losses = [], []
+        meter = SavedTensorMeter(exclude=[p for mod in modules for p in mod.parameters()])
+        steps, losses, peaks, left = [], [], [], []
         for step in range(1 + timed):  # the first step is the warm-up
             for mod in modules:
                 mod.zero_grad(set_to_none=True)
@@ -346,9 +351,13 @@ def zero_bubble_worker(
             last = {"target": y, "losses": losses} if pieces - 1 in held else {}
             dist.barrier()
             t0 = time.perf_counter()
-            schedule.step(*inputs, **last)
+            meter.reset()
+            with meter:
+                schedule.step(*inputs, **last)
             if step:
                 steps.append(_chunk_ops(modules, t0))
+                peaks.append(meter.peak)
+                left.append(meter.held)
         grads = {}
         for mod, p in zip(modules, held, strict=True):
             size = len(model) // pieces
@@ -363,6 +372,8 @@ def zero_bubble_worker(
                 "chunks": chunks,
                 "seed": seed,
                 "steps": steps,
+                "peak_saved_bytes": peaks,
+                "left_saved_bytes": left,
                 "losses": [value.detach().item() for value in losses],
                 "grads": grads,
             }
