@@ -8,28 +8,48 @@ STAMP  := $(VENV)/.installed
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 
-.PHONY: book site serve lab test check lint unit notebooks site-check browser bench chromium clean
+.PHONY: book site serve lab test check lint unit notebooks nbval nbval-alone site-check browser \
+	bench chromium clean
 
 # The PyTorch version the book pins, and where its CPU-only build is published.
 TORCH_VERSION   := 2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+# The installer's own pins. uv fills a venv with the same pinned set as pip, from its
+# cache in seconds (pip: about a minute); `make INSTALLER=pip ...` uses pip alone, and
+# so does a machine where uv cannot be installed.
+UV_VERSION  := 0.13.9
+PIP_VERSION := 26.3
+INSTALLER   ?= uv
+# Folders of wheels pip is told to look in (PIP_FIND_LINKS or pip's config), given to
+# uv too: uv reads neither.
+FIND_LINKS = $(sort $(PIP_FIND_LINKS) $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
 
 # Create the virtual environment and install the pinned requirements (once, or
 # again whenever requirements.txt or pyproject.toml change). On Linux without an
 # NVIDIA GPU, torch comes from the PyTorch CPU index first (PyPI's Linux wheel is
-# a CUDA build of several GB); if that index cannot be reached, pip gives up
-# within seconds and the pinned requirements install as they are.
+# a CUDA build of several GB); if that index cannot be reached, the installer gives
+# up within seconds and the pinned requirements install as they are.
 $(STAMP): requirements.txt pyproject.toml
 	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Python 3.11 or newer is needed"'
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	@if [ "$$(uname -s)" = Linux ] && ! command -v nvidia-smi >/dev/null 2>&1; then \
+	@if [ "$(INSTALLER)" = uv ] && $(BIN)/python -m pip install --quiet uv==$(UV_VERSION); then \
+		echo "Installing with uv $(UV_VERSION)"; \
+		install="$(BIN)/uv pip install --quiet --python $(BIN)/python \
+			$(foreach folder,$(FIND_LINKS),--find-links $(folder))"; \
+		cpu_index="env UV_HTTP_RETRIES=0 UV_HTTP_TIMEOUT=5 $$install --index-url"; \
+	else \
+		echo "Installing with pip"; \
+		install="$(BIN)/python -m pip install --quiet"; \
+		cpu_index="$$install --timeout 5 --retries 0 --index-url"; \
+	fi; \
+	set -e; \
+	$$install pip==$(PIP_VERSION); \
+	if [ "$$(uname -s)" = Linux ] && ! command -v nvidia-smi >/dev/null 2>&1; then \
 		echo "No NVIDIA GPU: installing the CPU build of torch $(TORCH_VERSION)"; \
-		$(BIN)/python -m pip install --quiet --timeout 5 --retries 0 \
-			--index-url $(TORCH_CPU_INDEX) torch==$(TORCH_VERSION) \
+		$$cpu_index $(TORCH_CPU_INDEX) torch==$(TORCH_VERSION) \
 		|| echo "The PyTorch CPU index is not reachable: torch comes from requirements.txt"; \
-	fi
-	$(BIN)/python -m pip install --quiet -r requirements.txt
+	fi; \
+	$$install -r requirements.txt
 	touch $@
 
 ## make book: build the website and serve it on http://127.0.0.1:8000 (Ctrl-C stops it)
@@ -47,7 +67,11 @@ lab: $(STAMP)
 	$(BIN)/jupyter lab --ip=$(HOST) --notebook-dir=notebooks
 
 ## make test: everything that checks the book
-test: lint release-lint unit notebooks site-check browser
+# The site build sends nothing through loopback, so chapter 04's byte count can run
+# beside it; everything else runs one phase at a time (tools/bench.py times each).
+test: lint release-lint unit nbval
+	$(MAKE) --no-print-directory -j 2 --output-sync=target site-check nbval-alone
+	$(MAKE) --no-print-directory browser
 
 ## make check: the inner loop while writing: lint and the fast unit tests (< 60 s)
 check: lint
@@ -71,10 +95,14 @@ KERNELS_ELSEWHERE := ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2
 NBVAL := --nbval --nbval-current-env --nbval-sanitize-with tests/sanitize.cfg
 # Chapter 04 counts the bytes that cross the loopback interface during its all-reduces,
 # so it runs alone: another notebook's gloo ranks would add their traffic to the count.
+# The others run two at a time, longest first (by the run time each notebook stores),
+# so that no long one starts last while the other worker has nothing left to do.
 ALONE := notebooks/04_collectives.ipynb
-notebooks: $(STAMP)
-	$(KERNELS_ELSEWHERE) $(BIN)/python -m pytest -n 2 --dist loadfile $(NBVAL) \
-		$(filter-out $(ALONE),$(sort $(wildcard notebooks/*.ipynb)))
+notebooks: nbval nbval-alone
+nbval: $(STAMP)
+	$(KERNELS_ELSEWHERE) $(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder $(NBVAL) \
+		$(filter-out $(ALONE),$(shell $(BIN)/python tools/longest_first.py notebooks/*.ipynb))
+nbval-alone: $(STAMP)
 	$(KERNELS_ELSEWHERE) $(BIN)/python -m pytest $(NBVAL) $(ALONE)
 
 # The website from a clean _build, with every Sphinx warning an error.
@@ -84,7 +112,7 @@ site-check: $(STAMP)
 
 # The built site (and JupyterLab) in headless Chromium, as a reader would use them.
 browser: $(STAMP) chromium
-	$(BIN)/python -m pytest -m browser tests/browser
+	$(BIN)/python -m pytest -n 2 -m browser tests/browser
 
 ## make bench: how long each part of the book takes to run on this machine
 bench: $(STAMP)
@@ -118,6 +146,11 @@ release-lint: $(STAMP) $(CFFCONVERT)/.installed
 	$(BIN)/zizmor --offline .github/workflows
 
 $(CFFCONVERT)/.installed: requirements-cffconvert.txt $(STAMP)
-	$(PYTHON) -m venv $(CFFCONVERT)
-	$(CFFCONVERT)/bin/python -m pip install --quiet -r requirements-cffconvert.txt
+	$(PYTHON) -m venv --without-pip $(CFFCONVERT)
+	@if [ -x $(BIN)/uv ] && [ "$(INSTALLER)" = uv ]; then \
+		$(BIN)/uv pip install --quiet --python $(CFFCONVERT)/bin/python -r requirements-cffconvert.txt; \
+	else \
+		$(PYTHON) -m venv $(CFFCONVERT) && \
+		$(CFFCONVERT)/bin/python -m pip install --quiet -r requirements-cffconvert.txt; \
+	fi
 	touch $@

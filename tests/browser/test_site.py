@@ -87,6 +87,21 @@ def _visible_figure(slider_box) -> str:
     )
 
 
+def _settle(page) -> None:
+    """Wait for MathJax's first typesetting (its startup promise) and for every slider's
+    widget to show its figure: the two things that finish after the page's load."""
+    page.wait_for_function(
+        "() => !window.MathJax || (window.MathJax.startup && window.MathJax.startup.promise)"
+    )
+    page.evaluate("() => window.MathJax && window.MathJax.startup.promise.then(() => true)")
+    page.wait_for_function(
+        """() => Array.from(document.querySelectorAll('.widget-vbox:has(> .widget-slider)'))
+            .every(box => Array.from(box.querySelectorAll('svg[role="img"]'))
+                .some(svg => svg.getClientRects().length > 0))""",
+        timeout=15_000,
+    )
+
+
 def _check_loaded(page, visit: Visit) -> None:
     """No failed or outside request, no console error of ours, images and math rendered."""
     assert visit.failed == [], "failed requests"
@@ -131,7 +146,7 @@ def test_page_loads_from_this_site_and_its_sliders_work_without_a_kernel(browser
     """One visit per page: everything loads from this site, then every slider is moved."""
     page, visit = _open(browser, f"{site_url}/{path}", site_url)
     try:
-        page.wait_for_timeout(500)  # let MathJax and the widget manager settle
+        _settle(page)
         _check_loaded(page, visit)
         if path.startswith("notebooks/"):
             SCREENSHOTS.mkdir(exist_ok=True)
