@@ -1,5 +1,6 @@
 """stability: the Markov language, real runs with and without safeguards, Adam vs AdamW."""
 
+import dataclasses
 import json
 import math
 import os
@@ -26,6 +27,7 @@ from trainscale.stability import (
     sample_batches,
     sequence_loss,
     train,
+    train_many,
     transition_matrix,
     z_loss,
 )
@@ -126,6 +128,38 @@ def test_the_global_thread_count_is_restored():
     threads = torch.get_num_threads()
     train(0.1, steps=2, config=TINY, batch=2)
     assert torch.get_num_threads() == threads
+
+
+def test_runs_side_by_side_are_the_runs_one_after_another_bit_for_bit():
+    dropout = dataclasses.replace(TINY, dropout=0.1)  # trained alone: it draws at every step
+    runs = {
+        "sgd": {"peak": 0.5, "warmup": 2, "clip": 1.0, "steps": 6, "config": TINY, "batch": 4},
+        "adamw": {"peak": 0.05, "steps": 6, "optimizer": "adamw", "config": TINY, "batch": 4},
+        "z-loss": {"peak": 0.5, "steps": 6, "z_loss": 1e-3, "config": TINY, "batch": 4},
+        "dropout": {"peak": 0.5, "steps": 6, "config": dropout, "batch": 4, "seed": 1},
+    }
+    threads = torch.get_num_threads()
+    torch.manual_seed(0)  # dropout draws from the global generator
+    together = train_many(runs, threads=3)
+    torch.manual_seed(0)
+    one_by_one = {name: train(**kwargs) for name, kwargs in runs.items()}
+    assert list(together) == list(runs)
+    assert together == one_by_one
+    assert torch.get_num_threads() == threads
+
+
+@pytest.mark.parametrize(
+    ("runs", "threads", "name"),
+    [
+        ({"a": {"peak": 0.1, "stepz": 3}}, 2, "'a'"),
+        ({"a": {"warmup": 1}}, 2, "'a'"),  # no peak
+        ({"a": {"peak": 0.1, "steps": 2}}, 0, "threads"),
+        ({"a": {"peak": 0.1, "steps": 2, "config": "tiny"}}, 2, "config"),
+    ],
+)
+def test_train_many_names_the_bad_argument(runs, threads, name):
+    with pytest.raises(ValueError, match=name):
+        train_many(runs, threads=threads)
 
 
 def test_logged_norms_are_before_clipping_and_clipping_bounds_the_steps():

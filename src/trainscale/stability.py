@@ -25,11 +25,15 @@ arXiv 1711.05101).
 
 from __future__ import annotations
 
+import inspect
 import math
 import statistics
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.nn import functional as F
@@ -226,6 +230,54 @@ def train(
     )
 
 
+def train_many(runs: Mapping[str, Mapping[str, Any]], threads: int = 2) -> dict[str, Run]:
+    """Several :func:`train` runs side by side, ``threads`` at a time: the same runs, bit
+    for bit, as calling :func:`train` on each in turn, in about ``1/threads`` of the
+    time on as many cores.
+
+    ``runs`` maps a name to :func:`train`'s keyword arguments (``peak`` among them);
+    the result maps the same names to their :class:`Run`. Each run is computed on a
+    thread of its own, and torch computes each operation on one thread (the one that
+    calls it; the intra-op pool is set to one thread for all of them), so every run
+    does the same arithmetic in the same order as alone. The models are drawn one at
+    a time (drawing uses torch's global generator). A run whose config has dropout
+    draws from that generator at every step, so those runs go first, one after
+    another, as :func:`train` would run them.
+    """
+    n = _checks.count("threads", threads, minimum=1)
+    signature = inspect.signature(train)
+    for name, kwargs in runs.items():
+        try:
+            signature.bind(**kwargs)
+        except TypeError as error:
+            raise ValueError(f"runs[{name!r}] are not train()'s arguments: {error}") from None
+    together = {
+        k: v for k, v in runs.items() if _checked_config(v.get("config", CONFIG)).dropout == 0
+    }
+    with _one_thread():
+        done = {name: _train_from(kwargs) for name, kwargs in runs.items() if name not in together}
+        with ThreadPoolExecutor(max_workers=n) as pool:
+            started = {name: pool.submit(_train_from, kwargs) for name, kwargs in together.items()}
+            done |= {name: future.result() for name, future in started.items()}
+    return {name: done[name] for name in runs}
+
+
+def _train_from(kwargs: Mapping[str, Any]) -> Run:
+    """:func:`train` with these keyword arguments, on the calling thread as it is set."""
+    arguments = inspect.signature(train).bind(**kwargs)
+    arguments.apply_defaults()
+    a = arguments.arguments
+    return _train(
+        a["peak"], a["warmup"], a["clip"], a["steps"], a["optimizer"], a["batch"], a["config"],
+        a["seed"], a["z_loss"], a["beta2"], watch=None, own_thread_setting=False,
+    )  # fmt: skip
+
+
+_GLOBAL_GENERATOR = threading.Lock()
+"""Held while a model is drawn: :func:`trainscale.transformer.gpt` seeds torch's global
+generator (inside ``fork_rng``), which threads would otherwise share mid-draw."""
+
+
 def _checked_config(config: object) -> GPTConfig:
     if not isinstance(config, GPTConfig):
         raise ValueError(f"config must be a GPTConfig, got {type(config).__name__}")
@@ -244,9 +296,12 @@ def _train(
     z_loss: float,
     beta2: float,
     watch: Callable[[int, GPT], None] | None,
+    own_thread_setting: bool = True,
 ) -> Run:
     """:func:`train`'s loop; ``watch(step, net)``, if given, sees the weights
-    before each step and once more after the last one (``step == steps``)."""
+    before each step and once more after the last one (``step == steps``).
+    ``own_thread_setting``: set torch to one thread for the run and restore it after
+    (:func:`train_many` sets it once for all its runs instead)."""
     lr_peak = _checks.positive("peak", peak)
     n_steps = _checks.count("steps", steps, minimum=1)
     w = _checks.count("warmup", warmup)
@@ -263,8 +318,9 @@ def _train(
     chain = transition_matrix(config.vocab, seed)
     data = sample_batches(chain, n_steps, batch, config.context, seed + 1)
     losses, norms, lrs = [], [], []
-    with _one_thread():
-        net = model(config, seed)
+    with _one_thread() if own_thread_setting else nullcontext():
+        with _GLOBAL_GENERATOR:
+            net = model(config, seed)
         params = list(net.parameters())
         if kind == "sgd":
             opt = torch.optim.SGD(params, lr=lr_peak, momentum=0.9)
