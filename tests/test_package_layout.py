@@ -37,7 +37,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # 4: what a reader sees.
     ("figures.*", "widgets", "quiz"),
     # 5: what puts it all together.
-    ("planner.*", "train", "__main__"),
+    ("planner.*", "train", "launch", "__main__"),
 )
 """Layers, lowest first: a module may import modules of its own layer or lower ones."""
 

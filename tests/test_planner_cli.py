@@ -140,7 +140,9 @@ def test_the_report_lists_the_planners_best_shapes_and_commands(example):
     cluster, laptop = _commands(example.text)
     assert cluster.startswith("torchrun --nnodes=8 --nproc-per-node=8 --rdzv-backend=c10d")
     assert "--rdzv-endpoint=$HEAD_NODE:29500" in cluster
-    assert "--nproc-per-node=8" in laptop and "--rdzv-endpoint=127.0.0.1:29500" in laptop
+    assert laptop.startswith("python -m trainscale.launch --nproc-per-node=8 -m trainscale.train")
+    assert "torchrun" not in laptop  # its stores would listen on every interface
+    assert "keeps every listener on 127.0.0.1" in example.text
 
 
 def test_the_printed_commands_parse_with_the_capstones_own_checks(example):

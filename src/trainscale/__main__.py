@@ -37,15 +37,16 @@ command lines of the package:
       and the torchrun command that trains the best (--help for models and clusters)
   python -m trainscale.efficiency [--device cuda --dtype bfloat16]
       measure a device's peak matmul rate and the MFU of a training loop (chapter 12)
-  torchrun --nproc-per-node=2 -m trainscale.train --parallel fsdp --ckpt-dir /tmp/tinygpt
+  python -m trainscale.launch --nproc-per-node=2 -m trainscale.train --parallel fsdp
       the capstone: a small GPT on any TP x PP x DP layout, restartably (chapter 16);
       `python -m trainscale.train --help` lists its flags
-  torchrun --nproc-per-node=4 -m trainscale.workers.NAME
+  python -m trainscale.launch --nproc-per-node=4 -m trainscale.workers.NAME
       a chapter's real multi-process check, NAME one of data_parallel (03),
       collectives (04), sharding (05), tensor_parallel (06), pipeline (07)
 
-On a laptop, run torchrun with GLOO_SOCKET_IFNAME=lo and --rdzv-endpoint=127.0.0.1:29500
-(gloo on the CPU); on a GPU node the same commands use NCCL.
+python -m trainscale.launch takes torchrun's common flags and runs torchrun's job on
+this computer with every listening socket on 127.0.0.1 (plain torchrun's stores listen
+on every interface); gloo on the CPU, NCCL on a GPU node.
 """
 
 

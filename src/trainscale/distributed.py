@@ -35,8 +35,10 @@ name and so cannot run a function defined in a notebook.
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import datetime
+import math
 import multiprocessing as mp
 import os
 import pickle
@@ -51,7 +53,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 import torch.distributed as dist
@@ -386,6 +388,16 @@ class TorchrunJob:
     """Nodes that failed on purpose (``fail_node_after``) and were started again."""
     rendezvous_port: int
     """The port of the rendezvous store this process hosted for the agents."""
+    failures: tuple[int, ...] = ()
+    """The exit status of each agent that failed on its own, in the order they were
+    started (negative: killed by that signal, as :mod:`subprocess` reports it)."""
+    timed_out: bool = False
+    """Whether the job outlasted its timeout and was stopped."""
+
+    @property
+    def exit_code(self) -> int:
+        """0 if every agent finished, else the first failed agent's exit status."""
+        return self.failures[0] if self.failures else 0
 
 
 def torchrun_command(
@@ -406,6 +418,7 @@ def torchrun_command(
 
 JOB_ENVIRONMENT = {
     "GLOO_SOCKET_IFNAME": "lo",
+    "NCCL_SOCKET_IFNAME": "lo",
     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
     "OMP_NUM_THREADS": "1",
 }
@@ -414,7 +427,9 @@ environment. ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: the agent of node 0 does 
 host a second store for the ranks (torch 2.13's ``DynamicRendezvousHandler`` would,
 listening on every interface, and stale addresses in it break gloo restarts); it
 names a free port on ``--local-addr`` instead, where rank 0 hosts the ranks' store
-on 127.0.0.1 (:func:`join_job`). gloo stays on the loopback interface."""
+on 127.0.0.1 (:func:`join_job`). gloo stays on the loopback interface, and so do NCCL's
+bootstrap sockets on a GPU node (all its ranks are on this machine; NCCL picks a network
+interface otherwise)."""
 
 
 class _Nodes:
@@ -447,13 +462,16 @@ class _Nodes:
         """Whether any agent is still running."""
         return any(agent.poll() is None for agent in self.agents)
 
-    def look(self) -> None:
-        """Note every agent's ranks, and what every process of the job listens on."""
+    def look(self, listeners: bool = True) -> None:
+        """Note every agent's ranks and, if ``listeners``, what every process of the job
+        listens on."""
         import psutil
 
         for agent in self.agents:
             with contextlib.suppress(psutil.NoSuchProcess):
                 self.ranks[agent.pid].update((p.pid, p) for p in agent.children(recursive=True))
+        if not listeners:
+            return
         watched = [*self.agents, *(p for ranks in self.ranks.values() for p in ranks.values())]
         for process in watched:
             with contextlib.suppress(psutil.NoSuchProcess, psutil.ZombieProcess):
@@ -549,22 +567,68 @@ def run_nodes(
     Raises :class:`RankError` with the output if an agent fails or the job
     outlasts ``timeout`` seconds; no process is left behind either way.
     """
+    limit = _checks.positive("timeout", timeout)
+    job = run_job(module, args, nnodes, nproc_per_node, max_restarts, limit, fail_node_after)
+    if job.timed_out:
+        raise RankError(f"torchrun -m {module} did not finish within {limit:g} s:\n{job.output}")
+    if job.failures:
+        codes = list(job.failures)
+        raise RankError(f"torchrun -m {module} failed (exit codes {codes}):\n{job.output}")
+    return job
+
+
+def run_job(
+    module: str,
+    args: list[str],
+    nnodes: int = 1,
+    nproc_per_node: int = 1,
+    max_restarts: int = 0,
+    timeout: float | None = None,
+    fail_node_after: str | None = None,
+    echo: TextIO | None = None,
+    watch_listeners: bool = True,
+) -> TorchrunJob:
+    """Run a job as :func:`run_nodes` does, and report how it ended instead of raising.
+
+    The same job, kept on 127.0.0.1 the same way; ``timeout`` ``None`` lets it run
+    as long as it takes. ``echo``: a stream (the terminal's ``sys.stdout``) that
+    receives everything the agents and ranks print, stdout and stderr in the order
+    they wrote them, within a tenth of a second of its being written
+    (:mod:`trainscale.launch` streams a job this way). ``watch_listeners``: record
+    every process's listening sockets (:attr:`TorchrunJob.listeners`; it costs a
+    look at each process ten times a second).
+
+    Whatever ends the wait (the job, the timeout, a ``KeyboardInterrupt`` or any other
+    exception), every agent and rank is stopped and reaped before this returns or
+    raises; the job's own failure is :attr:`TorchrunJob.exit_code`, not an exception.
+    """
     nodes_wanted = _checks.count("nnodes", nnodes, minimum=1)
     per_node = _checks.count("nproc_per_node", nproc_per_node, minimum=1)
     restarts = _checks.count("max_restarts", max_restarts)
-    limit = _checks.positive("timeout", timeout)
-    store, port = _loopback_store(nodes_wanted, limit)
+    limit = math.inf if timeout is None else _checks.positive("timeout", timeout)
+    store, port = _loopback_store(nodes_wanted, 300.0 if timeout is None else limit)
     command = torchrun_command(module, args, nodes_wanted, per_node, restarts, port)
     started, replaced = time.monotonic(), 0
     with tempfile.TemporaryDirectory(prefix="trainscale-torchrun-") as tmp:
         path = Path(tmp) / "output.log"
-        with path.open("w") as log:
+        with path.open("w") as log, path.open("rb") as written:
             nodes = _Nodes(command, log, port)
+            decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+            def pass_on(final: bool = False) -> None:
+                """Copy what the job wrote since the last call to ``echo``."""
+                if echo is not None:
+                    text = decoder.decode(written.read(), final=final)
+                    if text:
+                        echo.write(text)
+                        echo.flush()
+
             try:
                 for _ in range(nodes_wanted):
                     nodes.start_node()
                 while nodes.running() and time.monotonic() - started <= limit:
-                    nodes.look()
+                    nodes.look(listeners=watch_listeners)
+                    pass_on()
                     if fail_node_after and not replaced and fail_node_after in path.read_text():
                         nodes.fail_last_node()
                         nodes.start_node()
@@ -574,13 +638,19 @@ def run_nodes(
             finally:
                 nodes.stop()
                 del store
+                pass_on(final=True)
         output = path.read_text()
-    if timed_out:
-        raise RankError(f"torchrun -m {module} did not finish within {limit:g} s:\n{output}")
-    if nodes.failures():
-        raise RankError(f"torchrun -m {module} failed (exit codes {nodes.failures()}):\n{output}")
+    failures = nodes.failures()
     listeners = tuple(sorted(nodes.listeners))
-    return TorchrunJob(output, listeners, nodes.processes(), replaced, port)
+    return TorchrunJob(
+        output,
+        listeners,
+        nodes.processes(),
+        replaced,
+        port,
+        failures=tuple(failures),
+        timed_out=timed_out,
+    )
 
 
 def run_torchrun(

@@ -24,11 +24,11 @@ and bf16 autocast, gradient accumulation (the pipeline's micro-batches under
 ``--pp``), warmup plus cosine decay, global-norm clipping, a log of loss,
 gradient norm, learning rate, throughput and MFU, and checkpoints it resumes
 from after a crash, on the same layout or another. Eight CPU processes on a
-laptop (gloo)::
+laptop (gloo), started by the package's launcher, which keeps every listening
+socket on 127.0.0.1 (:mod:`trainscale.launch`; plain ``torchrun`` listens on
+every interface)::
 
-    GLOO_SOCKET_IFNAME=lo TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 \\
-    torchrun --nnodes=1 --nproc-per-node=8 --rdzv-backend=c10d \\
-        --rdzv-endpoint=127.0.0.1:29500 --max-restarts=1 \\
+    python -m trainscale.launch --nproc-per-node=8 --max-restarts=1 \\
         -m trainscale.train --tp 2 --pp 2 --dp-shard 2 --grad-accum 4 --ckpt-dir /tmp/capstone
 
 The same command on a node with eight GPUs runs on NCCL, one GPU per process

@@ -11,8 +11,16 @@ sharding (``--dp-shard``), which shards parameters as well (ZeRO-3), so it needs
 no more memory than the planner counted; selective recomputation becomes
 ``--checkpoint-activations``, which recomputes whole blocks (more compute, less
 memory than planned); an interleaving depth above 1 becomes ``--pp-schedule
-interleaved --virtual-stages V``. The printed commands use the c10d rendezvous
-on ``$HEAD_NODE:29500`` on a cluster, on 127.0.0.1 on a laptop.
+interleaved --virtual-stages V``.
+
+Where the printed commands listen: on a cluster, ``torchrun`` on each node meets the
+others through the c10d rendezvous on ``$HEAD_NODE:29500``, which the head node's
+agent hosts on every network interface (a cluster needs the network; its firewall
+keeps the ports in); the ranks' store and their NCCL connections open further ports
+there. On a laptop the command is ``python -m trainscale.launch`` instead
+(:mod:`trainscale.launch`), which runs the same ``torchrun`` agent with every
+listening socket on 127.0.0.1: plain ``torchrun`` would open its stores on every
+interface even when told 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -129,17 +137,17 @@ def laptop_flags(layout: planner.Layout, ranks: int, peak_flops: float | None = 
     ]
 
 
+LAPTOP_LAUNCHER = ("python", "-m", "trainscale.launch")
+"""What starts the ``--laptop`` command: the package's own launcher, which keeps every
+listening socket of the job on 127.0.0.1 (:mod:`trainscale.launch`)."""
+
+
 def laptop_command(layout: planner.Layout, ranks: int) -> str:
-    """The ``torchrun`` command that runs :func:`laptop_flags` on this machine, with gloo
-    on the loopback interface."""
-    launcher = [
-        "GLOO_SOCKET_IFNAME=lo",
-        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
-        "torchrun",
-        *("--nnodes=1", f"--nproc-per-node={ranks}"),
-        *("--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:29500", "--local-addr=127.0.0.1"),
-    ]
-    return _lines(launcher, laptop_flags(layout, ranks))
+    """The command that runs :func:`laptop_flags` on ``ranks`` processes of this machine:
+    ``torchrun``'s job, started by :data:`LAPTOP_LAUNCHER` so that nothing of it listens
+    beyond 127.0.0.1."""
+    n = _checks.count("ranks", ranks, minimum=1)
+    return _lines([*LAPTOP_LAUNCHER, f"--nproc-per-node={n}"], laptop_flags(layout, n))
 
 
 def _lines(launcher: list[str], flags: list[str]) -> str:
@@ -200,6 +208,8 @@ def _laptop_lines(layout: planner.Layout, ranks: int) -> list[str]:
     return [
         f"the same kinds of parallelism on this computer: TP {tp} x PP {pp} x DP {dp},"
         f" a tiny model on {ranks} CPU processes",
+        "(python -m trainscale.launch keeps every listener on 127.0.0.1, where plain"
+        " torchrun would listen on every interface)",
         "",
         laptop_command(layout, ranks),
         "",
