@@ -20,6 +20,7 @@ from trainscale.distributed import (
     RankError,
     _loopback_store,
     join_job,
+    run_alone,
     run_nodes,
     run_ranks,
     torchrun_command,
@@ -144,6 +145,18 @@ def test_torchrun_main_runs_the_worker_and_leaves_the_group(torchrun_environment
     assert not dist.is_initialized()
     with pytest.raises(ValueError, match="rank 0 was told to fail"):
         torchrun_main(rank_workers.raise_on, 0)
+    assert not dist.is_initialized()  # left even when the worker raised
+
+
+def test_run_alone_is_a_job_of_one_in_this_process(monkeypatch, capsys):
+    for key in ("RANK", "WORLD_SIZE", "GLOO_SOCKET_IFNAME"):
+        monkeypatch.delenv(key, raising=False)
+    assert run_alone(rank_workers.sum_ranks, 10) == 0  # 10 x (rank 0)
+    assert capsys.readouterr().out == "hello from rank 0 of 1\n"
+    assert os.environ["GLOO_SOCKET_IFNAME"] == "lo"
+    assert not dist.is_initialized()
+    with pytest.raises(ValueError, match="rank 0 was told to fail"):
+        run_alone(rank_workers.raise_on, 0)
     assert not dist.is_initialized()  # left even when the worker raised
 
 

@@ -253,6 +253,108 @@ def test_bad_flags_are_named(argv, flag):
         train.parse_args(argv)
 
 
+def test_defaults_that_follow_the_other_flags():
+    # warmup: min(10, steps // 10); grad_accum: 1, or one micro-batch per pipeline stage.
+    assert [train.default_warmup(n) for n in (1, 4, 9, 10, 20, 99, 100, 1000)] == [
+        *(0, 0, 0, 1, 2, 9, 10, 10)
+    ]
+    assert train.parse_args([]).warmup == 10  # the default run of 100 steps, as before
+    first_try = train.parse_args(["--steps", "4"])  # torchrun ... -m trainscale.train --steps 4
+    assert (first_try.warmup, first_try.grad_accum) == (0, 1)
+    assert first_try.layout(1).world == 1
+    pipelined = train.parse_args(["--pp", "2"])  # --pp 2 alone
+    assert pipelined.grad_accum == 2 and pipelined.layout(2).pp == 2
+    four = ["--pp", "4", "--layers", "8", "--pp-schedule", "interleaved", "--virtual-stages", "2"]
+    assert train.parse_args(four).grad_accum == 4  # the interleaved schedule: a multiple of 4
+    given = train.parse_args(["--pp", "2", "--grad-accum", "6", "--steps", "50", "--warmup", "0"])
+    assert (given.grad_accum, given.warmup) == (6, 0)  # given values are kept
+    assert train.TrainConfig(steps=30, pp=3, layers=3).grad_accum == 3  # built directly, too
+
+
+@given(steps=st.integers(1, 10**7), pp=st.integers(1, 64))
+def test_the_derived_defaults_always_pass_the_checks(steps, pp):
+    warmup = train.default_warmup(steps)
+    assert 0 <= warmup < steps and warmup <= train.WARMUP_CAP
+    assert train.default_grad_accum(pp) == pp
+    config = train.parse_args(["--steps", str(steps), "--pp", str(pp), "--layers", str(pp)])
+    assert config.layout(pp).pp == pp
+
+
+def test_derived_defaults_leave_bad_values_for_the_checks_to_name():
+    with pytest.raises(ValueError, match=r"^--steps must"):
+        train.parse_args(["--steps", "0"])
+    with pytest.raises(ValueError, match=r"^--pp must"):
+        train.parse_args(["--pp", "0"])
+    with pytest.raises(ValueError, match=r"^steps must"):
+        train.default_warmup(0)
+    with pytest.raises(ValueError, match=r"^pp must"):
+        train.default_grad_accum(0)
+
+
+@pytest.fixture
+def alone(monkeypatch):
+    """No torchrun: none of the variables it sets for its ranks."""
+    for name in train.TORCHRUN_ENVIRONMENT:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+
+
+def _main_error(argv: list[str], capsys) -> str:
+    """What ``python -m trainscale.train argv`` says when it refuses: one line, status 2."""
+    with pytest.raises(SystemExit) as stopped:
+        train.main(argv)
+    assert stopped.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.endswith("\n") and err.count("\n") == 1, err
+    assert err.startswith("python -m trainscale.train: error: ")
+    return err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--tp", "0"], "--tp must be a whole number >= 1, got 0"),
+        (["--heads", "4", "--tp", "3"], "--heads must be a multiple of --tp=3, got 4"),
+        (["--pp-schedule", "zigzag"], "--pp-schedule must be one of ('1f1b', 'interleaved')"),
+        (["--steps", "4", "--warmup", "4"], "--warmup must be in [0, --steps) = [0, 4), got 4"),
+        (["--tp", "x"], "argument --tp: invalid int value: 'x'"),
+        (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    ],
+)
+def test_a_bad_flag_is_one_line_naming_it_not_a_traceback(argv, message, alone, capsys):
+    assert message in _main_error(argv, capsys)
+    assert not dist.is_initialized()
+
+
+def test_alone_a_layout_of_several_ranks_says_how_to_launch_it(alone, capsys):
+    err = _main_error(["--tp", "2", "--pp", "2", "--steps", "4"], capsys)
+    assert "this layout needs 4 ranks and this is one process (no torchrun)" in err
+    assert err.rstrip().endswith(
+        "run python -m trainscale.launch --nproc-per-node=4 -m trainscale.train"
+        " --tp 2 --pp 2 --steps 4"
+    )
+
+
+def test_under_torchrun_the_layout_is_checked_against_world_size(monkeypatch, capsys):
+    for name, value in {"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    assert "must multiply to the number of ranks, 3" in _main_error(["--tp", "2"], capsys)
+    monkeypatch.delenv("MASTER_PORT")
+    err = _main_error([], capsys)
+    assert "sets RANK, WORLD_SIZE, MASTER_ADDR but not MASTER_PORT" in err
+
+
+@pytest.mark.slow  # two training steps, in this process
+def test_alone_it_trains_as_one_process(alone, capsys):
+    summary = train.main(["--steps", "2", "--micro-batch", "2", "--log-every", "1"])
+    assert summary["steps"] == 2 and list(summary["history"]) == [1, 2]
+    assert not dist.is_initialized()  # the group of one is left again
+    out = capsys.readouterr().out
+    assert "1 rank (gloo, cpu), TP 1 x PP 1 x DP 1" in out
+    assert "finished at step 2" in out
+
+
 def test_a_layout_that_does_not_fill_the_ranks_is_refused():
     config = train.parse_args(["--tp", "2", "--pp", "2", "--dp-shard", "3", "--grad-accum", "2"])
     with pytest.raises(ValueError, match=r"^the layout's sizes must multiply to .* 8: .* = 12"):

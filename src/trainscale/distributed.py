@@ -363,6 +363,27 @@ def torchrun_main(worker: Callable[..., Any], *args: Any) -> Any:
         dist.destroy_process_group()
 
 
+def run_alone(worker: Callable[..., Any], *args: Any) -> Any:
+    """Run ``worker(0, 1, *args)`` in this process, as the one rank of a job of one.
+
+    What ``python -m trainscale.train`` does outside ``torchrun``: the process group's
+    store listens on 127.0.0.1, on a port the operating system picked (no two runs
+    collide), gloo on the loopback interface; NCCL on this machine's GPU if it has
+    one (:func:`backend_and_device`). The group is left again whatever happens.
+    """
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    backend, dev = backend_and_device(0)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    store, _ = _loopback_store(1, 300.0)
+    dist.init_process_group(backend, store=store, rank=0, world_size=1)
+    try:
+        return worker(0, 1, *args)
+    finally:
+        dist.destroy_process_group()
+        del store
+
+
 RENDEZVOUS_CONF = "is_host=false,keep_alive_interval=1,keep_alive_max_attempt=5"
 """``--rdzv-conf`` of every agent :func:`run_nodes` starts. ``is_host=false``: no agent
 hosts the rendezvous store, each only connects to it (the launcher hosts it, on

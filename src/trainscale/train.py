@@ -36,6 +36,13 @@ The same command on a node with eight GPUs runs on NCCL, one GPU per process
 job trains on the same data as one process would (:func:`global_batch`), and
 its loss is the mean over every token of the global batch.
 
+Run alone, without a launcher, ``python -m trainscale.train --steps 4`` trains as
+one process (a layout of several ranks says, in one line, how to launch it), and a
+bad flag ends it with one line naming the flag (:func:`main`). ``--warmup`` and
+``--grad-accum`` default to what the other flags allow: ``min(10, --steps // 10)``
+warmup steps, and one micro-batch per step, or one per pipeline stage with ``--pp``
+(:func:`default_warmup`, :func:`default_grad_accum`).
+
 What makes a restart exact:
 
 * the data of optimiser step ``s`` is a function of ``(seed, s)`` alone
@@ -64,13 +71,14 @@ import functools
 import logging
 import math
 import os
+import shlex
 import shutil
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -98,7 +106,7 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from trainscale import _checks, compute, schedule
-from trainscale.distributed import backend_and_device, torchrun_main
+from trainscale.distributed import backend_and_device, run_alone, torchrun_main
 from trainscale.transformer import GPT, GPTConfig, gpt, matmul_weights, parameter_counts
 
 FAIL_EXIT_CODE = 17
@@ -147,11 +155,48 @@ PP_SCHEDULES = ("1f1b", "interleaved")
 ``ScheduleInterleaved1F1B`` (``--virtual-stages`` stages per rank)."""
 
 
+PROG = "python -m trainscale.train"
+
+WARMUP_CAP = 10
+"""``--warmup``'s default never exceeds this many steps (:func:`default_warmup`)."""
+
+
+def default_warmup(steps: int) -> int:
+    """``--warmup``'s default for a run of ``steps`` optimiser steps: a tenth of the run,
+    at most :data:`WARMUP_CAP` steps, ``min(10, steps // 10)``. The default run of 100
+    steps warms up for 10, one of 20 for 2, one of fewer than 10 steps (a first try,
+    ``--steps 4``) not at all; it is always below ``steps``, as the schedule requires."""
+    n = _checks.count("steps", steps, minimum=1)
+    return min(WARMUP_CAP, n // 10)
+
+
+def default_grad_accum(pp: int | None) -> int:
+    """``--grad-accum``'s default: 1 micro-batch per step without a pipeline; with
+    ``--pp P`` > 1, ``P``, the fewest either schedule takes (1F1B needs at least one
+    micro-batch per stage, the interleaved schedule a multiple of the stages). More
+    micro-batches shrink the pipeline's bubble (chapter 7) at the price of a larger
+    global batch."""
+    stages = 1 if pp is None else _checks.count("pp", pp, minimum=1)
+    return stages
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line, ``prog: error: message``: the
+    usage of 34 flags would bury it (``--help`` shows them)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")
+
+
 def parser() -> argparse.ArgumentParser:
-    """The command line of ``python -m trainscale.train`` (run under ``torchrun``)."""
-    p = argparse.ArgumentParser(
-        prog="python -m trainscale.train",
-        description="Train a small GPT on synthetic data, restartably (run it with torchrun).",
+    """The command line of ``python -m trainscale.train``: under ``torchrun`` (or
+    ``python -m trainscale.launch``), or alone as one process."""
+    p = _Parser(
+        prog=PROG,
+        description=(
+            "Train a small GPT on synthetic data, restartably: one process when run alone,"
+            " or as many as python -m trainscale.launch (or torchrun) starts."
+        ),
     )
     add = p.add_argument
     add(
@@ -168,9 +213,19 @@ def parser() -> argparse.ArgumentParser:
     add("--virtual-stages", type=int, default=1, help="model chunks per pipeline rank")
     add("--steps", type=int, default=100, help="optimiser steps in the whole run")
     add("--micro-batch", type=int, default=8, help="sequences per rank per forward pass")
-    add("--grad-accum", type=int, default=1, help="micro-batches per step (pipelined: per stage)")
+    add(
+        "--grad-accum",
+        type=int,
+        default=None,
+        help="micro-batches per step (pipelined: per stage); default: 1, or --pp if --pp > 1",
+    )
     add("--lr", type=float, default=3e-3, help="peak learning rate")
-    add("--warmup", type=int, default=10, help="steps of linear warmup before cosine decay")
+    add(
+        "--warmup",
+        type=int,
+        default=None,
+        help="steps of linear warmup before cosine decay; default: min(10, --steps // 10)",
+    )
     add("--lr-floor", type=float, default=0.1, help="final learning rate, as a share of --lr")
     add("--weight-decay", type=float, default=0.1, help="AdamW's decoupled weight decay")
     add("--clip", type=float, default=1.0, help="clip the global gradient norm (0: never)")
@@ -237,7 +292,10 @@ class TrainConfig:
     """Everything one run needs, checked: built from the command line by :func:`parse_args`.
 
     The layout's sizes that were not given are ``None`` here; :meth:`layout`
-    completes them for a number of ranks. ``micro_batch`` is in sequences per
+    completes them for a number of ranks. ``warmup`` and ``grad_accum`` left ``None``
+    take defaults that follow the other flags (:func:`default_warmup`,
+    :func:`default_grad_accum`), so every field holds a number once the config is
+    built. ``micro_batch`` is in sequences per
     data-parallel rank and micro-step, ``lr`` in units of the AdamW update,
     ``peak_flops`` in FLOP/s per device, ``ckpt_every`` and ``log_every`` in
     optimiser steps.
@@ -253,9 +311,9 @@ class TrainConfig:
     virtual_stages: int = 1
     steps: int = 100
     micro_batch: int = 8
-    grad_accum: int = 1
+    grad_accum: int | None = None
     lr: float = 3e-3
-    warmup: int = 10
+    warmup: int | None = None
     lr_floor: float = 0.1
     weight_decay: float = 0.1
     clip: float = 1.0
@@ -279,9 +337,22 @@ class TrainConfig:
     deterministic: bool = False
 
     def __post_init__(self) -> None:
+        self._fill_defaults()
         self._check_training()
         self._check_model()
         self._check_layout()
+
+    def _fill_defaults(self) -> None:
+        """Give ``warmup`` and ``grad_accum`` their defaults where they were not given;
+        a ``--steps`` or ``--pp`` out of range is left for the checks to name."""
+        if self.warmup is None:
+            with contextlib.suppress(ValueError):
+                object.__setattr__(self, "warmup", default_warmup(self.steps))
+        if self.grad_accum is None:
+            pipelined = isinstance(self.pp, int) and self.pp > 1
+            object.__setattr__(
+                self, "grad_accum", default_grad_accum(self.pp if pipelined else None)
+            )
 
     def _check_training(self) -> None:
         _checks.count("--steps", self.steps, minimum=1)
@@ -1142,12 +1213,69 @@ def worker(rank: int, world_size: int, argv: list[str] | None = None) -> dict:
     return train(config, rank, world_size, backend_and_device(local)[1])
 
 
+TORCHRUN_ENVIRONMENT = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+"""What ``torchrun`` tells every rank, and :func:`main` looks for to tell whether it runs
+under it: all of them, or none (one process alone)."""
+
+
+def ranks_needed(config: TrainConfig) -> int:
+    """How many ranks the flags' layout needs: the product of the sizes given, or 1 with
+    none (or ``--parallel``), since data parallelism then fills whatever ranks there are."""
+    if config.parallel is not None:
+        return 1
+    return math.prod(getattr(config, name) or 1 for name in DIMS)
+
+
+def runs_alone(argv: list[str]) -> bool:
+    """Check ``argv`` and the environment before any process group exists; return whether
+    this process runs alone (not under ``torchrun``). Raises ``ValueError`` with the one
+    line to say: a bad flag, a layout that does not fit ``WORLD_SIZE`` (or, alone, one
+    process, saying how to launch it), a torchrun environment with parts missing."""
+    config = parse_args(argv)
+    found = [name for name in TORCHRUN_ENVIRONMENT if name in os.environ]
+    if found and len(found) < len(TORCHRUN_ENVIRONMENT):
+        missing = [name for name in TORCHRUN_ENVIRONMENT if name not in os.environ]
+        raise ValueError(
+            f"the environment sets {', '.join(found)} but not {', '.join(missing)}: start"
+            " the job with python -m trainscale.launch (or torchrun), or unset them to run"
+            " one process"
+        )
+    if found:
+        config.layout(int(os.environ["WORLD_SIZE"]))
+        return False
+    needed = ranks_needed(config)
+    if needed > 1:
+        raise ValueError(
+            f"this layout needs {needed} ranks and this is one process (no torchrun): run"
+            f" python -m trainscale.launch --nproc-per-node={needed} -m trainscale.train"
+            f" {shlex.join(argv)}"
+        )
+    config.layout(1)
+    return True
+
+
 def main(argv: list[str] | None = None) -> dict:
-    """Entry point under ``torchrun``: check the arguments and the layout against
-    ``WORLD_SIZE``, join the job (:func:`trainscale.distributed.torchrun_main`), train."""
-    config = parse_args(argv)  # a bad argument stops every rank before they meet
-    config.layout(int(os.environ.get("WORLD_SIZE", "1")))
-    return torchrun_main(worker, argv)
+    """``python -m trainscale.train``: check the arguments, then train.
+
+    Under ``torchrun`` (or ``python -m trainscale.launch``, which runs it), with
+    ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set: check the
+    layout against ``WORLD_SIZE``, join the job
+    (:func:`trainscale.distributed.torchrun_main`) and train as one of its ranks.
+    Alone, with none of them set: train as a job of one process
+    (:func:`trainscale.distributed.run_alone`), if the layout fits one. A bad flag,
+    or a layout that needs more ranks than there are, ends the program with
+    argparse's one-line error (status 2) before any process group exists; for a
+    layout of several ranks run alone, the line says how to launch it.
+    """
+    arguments = sys.argv[1:] if argv is None else list(argv)
+    p = parser()
+    try:
+        alone = runs_alone(arguments)
+    except ValueError as error:
+        p.exit(2, f"{p.prog}: error: {error}\n")
+    if alone:
+        return run_alone(worker, arguments)
+    return torchrun_main(worker, arguments)
 
 
 if __name__ == "__main__":
