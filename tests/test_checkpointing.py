@@ -423,3 +423,43 @@ def test_the_layer_is_the_models_block_as_korthikanti_counts_it():
         d_model=H, heads=A, layers=1, dropout=0.2, fused_dropout=True, recompute="selective"
     )
     assert TransformerLayer(H, A, attention="sdpa").config.attention == "sdpa"
+
+
+# s = 4, b = 2, h = 8, a = 2: sbh = 64; t = 2. DTensor's plan keeps the two 2 sbh
+# layer-norm outputs whole: 34 sbh/t + 4 sbh (1 - 1/t) = 64 x (17 + 2) = 1,216 (scores
+# recomputed); with the scores kept, + 5as/(ht) sbh = 64 x 2.5 = 160 more.
+@pytest.mark.parametrize(
+    ("mode", "expected"), [("selective", 1_216), ("none", 1_376), ("full", 64)]
+)
+def test_keeping_the_gathered_inputs_by_hand(mode, expected):
+    got = layer_activation_bytes(4, 2, 8, 2, 2, True, mode, keep_gathered_inputs=True)
+    assert got == expected
+
+
+def test_keeping_the_gathered_inputs_of_the_7b_layer_by_hand():
+    # s = h = 4096, b = 1, t = 8: sbh = 16 MiB; sbh (4 + 30/8) = 7.75 sbh = 124 MiB,
+    # against Megatron's 34/8 = 4.25 sbh = 68 MiB and TP alone's 13 sbh = 208 MiB.
+    kept = layer_activation_bytes(
+        4096, 1, 4096, 32, 8, True, "selective", keep_gathered_inputs=True
+    )
+    assert kept == 124 * 2**20
+    assert layer_activation_bytes(4096, 1, 4096, 32, 8, True, "selective") == 68 * 2**20
+    assert layer_activation_bytes(4096, 1, 4096, 32, 8, False, "selective") == 208 * 2**20
+
+
+@given(st.integers(1, 64), st.booleans(), st.sampled_from(["none", "selective"]))
+def test_keeping_the_gathered_inputs_adds_4_sbh_times_1_minus_1_over_t(tp, dropout, mode):
+    s, b, h, a = 64, 2, 128, 4
+    args = (s, b, h, a, tp, True, mode)
+    extra = layer_activation_bytes(*args, dropout=dropout, keep_gathered_inputs=True)
+    extra -= layer_activation_bytes(*args, dropout=dropout)
+    assert math.isclose(extra, 4 * s * b * h * (1 - 1 / tp))
+    whole = layer_activation_bytes(s, b, h, a, tp, False, mode, dropout=dropout)
+    assert extra + layer_activation_bytes(*args, dropout=dropout) <= whole  # never above TP alone
+
+
+def test_keeping_the_gathered_inputs_is_refused_without_sequence_parallelism():
+    with pytest.raises(ValueError, match="keep_gathered_inputs"):
+        layer_activation_bytes(4, 2, 8, 2, 2, False, keep_gathered_inputs=True)
+    with pytest.raises(ValueError, match="keep_gathered_inputs"):
+        layer_activation_bytes(4, 2, 8, 2, 2, True, keep_gathered_inputs="yes")

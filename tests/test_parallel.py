@@ -19,6 +19,8 @@ from trainscale.parallel import (
     data_parallel_gradient,
     first_matrix_by_rows_mlp,
     full_batch_gradient,
+    layer_collective_bytes,
+    layer_collectives,
     multi_head_attention,
     padded_micro_batches,
     tensor_parallel_mlp,
@@ -338,3 +340,48 @@ def test_token_functions_name_bad_arguments():
     one_empty = padded_micro_batches([2, 0], 2, features=1, classes=2)
     with pytest.raises(ValueError, match="each hold a real token"):
         accumulated_token_gradient(model, one_empty, "micro-batch mean")
+
+
+def test_layer_collectives_of_each_way_of_running_sequence_parallelism():
+    assert layer_collectives() == {"forward": {"all-reduce": 2}, "backward": {"all-reduce": 2}}
+    halves = {"all-gather": 2, "reduce-scatter": 2}
+    assert layer_collectives("keep gathered") == {"forward": halves, "backward": halves}
+    regather = layer_collectives("re-gather")
+    assert regather["forward"] == halves
+    assert regather["backward"] == {"all-gather": 4, "reduce-scatter": 2}  # + 2 re-gathers
+
+
+def test_layer_collective_bytes_of_the_7b_layer_by_hand():
+    # 4,096 x 4,096 bf16 = 32 MiB per collective; at t = 8 each half sends 7/8 of it,
+    # 28 MiB: 8 halves = 224 MiB (TP alone, and DTensor's SP), 10 halves = 280 MiB.
+    mib = 2**20
+    assert layer_collective_bytes(4096, 4096, 8) == 224 * mib
+    assert layer_collective_bytes(4096, 4096, 8, 2, "keep gathered") == 224 * mib
+    assert layer_collective_bytes(4096, 4096, 8, 2, "re-gather") == 280 * mib
+    assert layer_collective_bytes(4096, 4096, 8) == sum(
+        tensor_parallel_traffic(4096, 4096, 8).values()
+    )
+    assert layer_collective_bytes(4096, 4096, 1, 2, "re-gather") == 0  # one device sends nothing
+
+
+@given(st.integers(1, 4096), st.integers(1, 1024), st.integers(2, 64))
+def test_re_gathering_sends_a_quarter_more(tokens, hidden, shards):
+    plain = layer_collective_bytes(tokens, hidden, shards, 2, "keep gathered")
+    assert math.isclose(
+        layer_collective_bytes(tokens, hidden, shards, 2, "re-gather"), 1.25 * plain
+    )
+
+
+@pytest.mark.parametrize(
+    ("call", "name"),
+    [
+        (lambda: layer_collectives("megatron"), "style"),
+        (lambda: layer_collective_bytes(8, 8, 2, 2, "dtensor"), "style"),
+        (lambda: layer_collective_bytes(0, 8, 2), "tokens"),
+        (lambda: layer_collective_bytes(8, 8, 0), "shards"),
+        (lambda: layer_collective_bytes(8, 8, 2, 0), "bytes_per_value"),
+    ],
+)
+def test_layer_collectives_name_bad_arguments(call, name):
+    with pytest.raises(ValueError, match=name):
+        call()

@@ -72,3 +72,10 @@ def test_block_plans_differ_only_where_sequence_parallelism_splits_the_stream():
         assert sp[name].output_layouts == (Shard(1),)  # reduce-scatter
     with pytest.raises(ValueError, match="sequence_parallel"):
         workers.block_plan("yes")
+
+
+def test_collective_sizes_notes_only_collectives_and_changes_no_result():
+    with workers.CollectiveSizes() as mode:
+        y = torch.arange(4.0) * 2 + 1
+    assert mode.sizes == []
+    assert y.tolist() == [1.0, 3.0, 5.0, 7.0]

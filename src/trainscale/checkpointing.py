@@ -440,6 +440,7 @@ def layer_activation_bytes(
     gated_mlp: bool = False,
     fused_attention: bool = False,
     dropout: bool = True,
+    keep_gathered_inputs: bool = False,
 ) -> float:
     """Bytes one transformer layer keeps for backward on one GPU (Korthikanti et al.).
 
@@ -474,19 +475,36 @@ def layer_activation_bytes(
     * ``dropout=False``: a layer without dropout (Llama's) keeps no 1-byte masks.
 
     Full recomputation keeps the layer's input whatever its shape.
+
+    ``keep_gathered_inputs`` (only with ``sequence_parallel=True``) says *how*
+    sequence parallelism is run. The paper's ``34/t`` (section 4.2.2) and Megatron-LM
+    keep only each rank's ``s/t`` shard of the two layer-norm outputs that feed the
+    column-parallel products, and all-gather it again in backward for the weight
+    gradients (:data:`ACTIVATION_PARTS`' two ``"layer-norm output, input of ..."``
+    rows, split by ``t``). PyTorch's DTensor plan (``SequenceParallel`` with
+    ``PrepareModuleInput``, torchtitan's) keeps the all-gathered input itself, whole:
+    those two ``2 sbh`` rows are then kept whole, ``4 sbh (1 - 1/t)`` more, so a GPT
+    layer with the scores recomputed keeps ``sbh (4 + 30/t)`` instead of ``34 sbh/t``.
     """
     sbh, as2b = _layer_sizes(seq_len, micro_batch, hidden, heads)
     t = _checks.count("tp", tp, minimum=1)
     sp = _checks.boolean("sequence_parallel", sequence_parallel)
     mode = str(_checks.choice("recompute", recompute, RECOMPUTE))
     shape = _layer_shape(kv_heads, ffn_hidden, gated_mlp, fused_attention, dropout, heads)
+    keep_gathered = _checks.boolean("keep_gathered_inputs", keep_gathered_inputs)
+    if keep_gathered and not sp:
+        raise ValueError(
+            "keep_gathered_inputs applies only with sequence_parallel=True (without it"
+            " the inputs are whole anyway), got keep_gathered_inputs=True"
+        )
     if mode == "full":
         return 2 * sbh / (t if sp else 1)
     scores = 0 if mode == "selective" or shape.fused_attention else as2b
     total = 4 * heads * seq_len * micro_batch / t if shape.fused_attention else 0.0
     for part in ACTIVATION_PARTS:
         size = (part.per_sbh * sbh + part.per_as2b * scores) * _scale(part, heads, hidden, shape)
-        total += size / t if part.split_by_tp or sp else size
+        gathered = keep_gathered and part.what.startswith("layer-norm output")
+        total += size / t if part.split_by_tp or (sp and not gathered) else size
     return total
 
 

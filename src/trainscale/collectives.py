@@ -463,7 +463,10 @@ def tp_comm_to_compute(
     layer (``hidden``) or a faster link (``link_bandwidth``, bytes/s), and grows
     with the GPU's speed. Attention's score products (``s/6h`` more compute) are
     left out, so the true ratio is a little lower. Sequence parallelism replaces
-    each all-reduce by a reduce-scatter and an all-gather, the same bytes.
+    each all-reduce by a reduce-scatter and an all-gather, the same bytes, as long as
+    backward keeps the gathered inputs (PyTorch's DTensor plan); Megatron-LM, which
+    gathers them again in backward to reach ``34 sbh / t``, sends a quarter more
+    (:func:`trainscale.parallel.layer_collective_bytes`).
     """
     t = _checks.count("shards", shards, minimum=1)
     h = _checks.count("hidden", hidden, minimum=1)

@@ -17,9 +17,14 @@ MLP, residual additions) in float64 twice, with the same column- and row-wise pl
 as plain tensor parallelism (:func:`block_plan` with ``sequence_parallel=False``:
 the layer norms and residuals run whole on every rank) and with Megatron's sequence
 parallelism (``SequenceParallel`` on the layer norms: they and the residual stream
-keep ``1/N`` of the sequence each, as torchtitan's Llama plan does). For each it
-returns the output, the gradients, the collectives of each pass and every tensor
-autograd keeps for backward (:func:`saved_tensors`).
+keep ``1/N`` of the sequence each, as torchtitan's Llama plan does), and a third
+time without DTensor, as Megatron-LM runs sequence parallelism
+(:class:`RegatherBlock`): its column-parallel products keep only this rank's ``1/N``
+of their input and all-gather it again in backward (:class:`_ColumnParallelRegather`),
+where DTensor's plan keeps the gathered input whole. For each it returns the output,
+the gradients, the collectives of each pass (counted, and their sizes,
+:class:`CollectiveSizes`) and every tensor autograd keeps for backward
+(:func:`saved_tensors`).
 
 The same file runs on a GPU node, one process per GPU, with NCCL::
 
@@ -45,6 +50,8 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainscale import _checks
 from trainscale.distributed import device, torchrun_main
@@ -242,9 +249,221 @@ def saved_tensors(model: nn.Module) -> Iterator[list[tuple[tuple[int, ...], int,
         yield rows
 
 
+_C10D_NAMES = {
+    "_allgather_base_": "all_gather_into_tensor",
+    "_reduce_scatter_base_": "reduce_scatter_tensor",
+    "allreduce_": "all_reduce",
+}
+"""The c10d ops behind ``dist.all_gather_single`` and friends, named as DTensor's."""
+
+
 def _counts(mode: CommDebugMode) -> dict[str, int]:
     """``{"all_reduce": 1}`` from CommDebugMode's ``{OpOverloadPacket: count}``."""
-    return {str(op).split(".")[-1]: n for op, n in mode.get_comm_counts().items()}
+    counts: dict[str, int] = {}
+    for op, n in mode.get_comm_counts().items():
+        name = str(op).split(".")[-1]
+        name = _C10D_NAMES.get(name, name)
+        counts[name] = counts.get(name, 0) + n
+    return counts
+
+
+_KINDS = {
+    "all_reduce": "all-reduce",
+    "all_gather_into_tensor": "all-gather",
+    "reduce_scatter_tensor": "reduce-scatter",
+}
+"""The collectives the chapter's blocks run, named as
+:func:`trainscale.collectives.ring_factor` names them."""
+
+
+class CollectiveSizes(TorchDispatchMode):
+    """Note every collective that runs inside it: its kind and the bytes of the whole
+    tensor it acts on (what an all-reduce or a reduce-scatter sums, what an
+    all-gather assembles), as ``(kind, bytes)`` in :attr:`sizes`, in the order they
+    run. DTensor's collectives are seen once DTensor has turned them into plain
+    ops on the local tensors, as ``CommDebugMode`` sees them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **kwargs)
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # let DTensor turn it into plain ops first
+        out = func(*args, **kwargs)
+        name = func._overloadpacket.__name__
+        kind = _KINDS.get(_C10D_NAMES.get(name, name))
+        if kind is not None:
+            leaves = pytree.tree_leaves((args, kwargs, out))
+            whole = max(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+            self.sizes.append((kind, whole))
+        return out
+
+
+def _seq_all_gather(shard: torch.Tensor) -> torch.Tensor:
+    """All-gather the ranks' ``(batch, s/N, hidden)`` shards into ``(batch, s, hidden)``."""
+    n = dist.get_world_size()
+    out = shard.new_empty((n * shard.shape[0], *shard.shape[1:]))  # the ranks' shards, stacked
+    dist.all_gather_single(out, shard.contiguous())
+    return out.view(n, *shard.shape).movedim(0, 1).flatten(1, 2)
+
+
+def _seq_reduce_scatter(full: torch.Tensor) -> torch.Tensor:
+    """Sum ``(batch, s, hidden)`` over the ranks and keep this rank's ``s/N`` tokens."""
+    n = dist.get_world_size()
+    batch, seq, hidden = full.shape
+    chunks = full.reshape(batch, n, seq // n, hidden).movedim(1, 0).reshape(-1, seq // n, hidden)
+    out = full.new_empty((batch, seq // n, hidden))
+    dist.reduce_scatter_single(out, chunks)
+    return out
+
+
+class _ColumnParallelRegather(torch.autograd.Function):
+    """Megatron-LM's column-parallel linear under sequence parallelism.
+
+    Forward all-gathers the ``s/N`` shard, multiplies, and keeps only the shard (and
+    the weight) for backward; backward all-gathers the shard *again* for the weight
+    gradient and reduce-scatters the input gradient. Megatron Core's
+    ``LinearWithGradAccumulationAndAsyncCommunication`` does the same
+    (``ctx.save_for_backward(input, weight)`` before the gather).
+    """
+
+    @staticmethod
+    def forward(ctx, shard, weight, bias):
+        ctx.save_for_backward(shard, weight)
+        ctx.has_bias = bias is not None
+        return nn.functional.linear(_seq_all_gather(shard), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        shard, weight = ctx.saved_tensors
+        full = _seq_all_gather(shard)  # the gathered input was not kept: gather it again
+        grad_input = _seq_reduce_scatter(grad_output @ weight)
+        grad_weight = grad_output.flatten(0, -2).T @ full.flatten(0, -2)
+        grad_bias = grad_output.flatten(0, -2).sum(0) if ctx.has_bias else None
+        return grad_input, grad_weight, grad_bias
+
+
+class _ReduceScatter(torch.autograd.Function):
+    """Where a row-parallel block ends: reduce-scatter forward, all-gather backward."""
+
+    @staticmethod
+    def forward(ctx, partial):
+        return _seq_reduce_scatter(partial)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _seq_all_gather(grad_output)
+
+
+class RegatherBlock(nn.Module):
+    """This rank's part of a :class:`Block` under Megatron-LM's sequence parallelism.
+
+    It holds its slices of the weights as plain tensors (``q``, ``k`` and ``v`` fused
+    into one ``qkv`` matrix, as Megatron's), the layer norms and ``mlp.down``'s bias
+    whole, and takes and returns its ``s/N`` tokens. The column-parallel products go
+    through :class:`_ColumnParallelRegather`, the row-parallel ones end in a
+    reduce-scatter, and the layer norms, residual additions and the second bias run
+    on the shard. The layer norms' and ``down``'s bias gradients are then partial
+    sums, summed once per step by :meth:`full_gradients` (Megatron Core's
+    ``_allreduce_layernorm_grads``, which also covers that bias).
+    """
+
+    def __init__(self, whole: Block, rank: int, world_size: int) -> None:
+        super().__init__()
+        self.world_size = world_size
+        self.head_size = whole.attention.head_size
+        # my rows of each column-parallel weight, the same columns of each row-parallel one
+        a = torch.tensor_split(torch.arange(whole.attention.q.out_features), world_size)[rank]
+        m = torch.tensor_split(torch.arange(whole.mlp.up.out_features), world_size)[rank]
+        attention, mlp = whole.attention, whole.mlp
+
+        def param(t: torch.Tensor) -> nn.Parameter:
+            return nn.Parameter(t.detach().clone())
+
+        self.attention_norm, self.mlp_norm = whole.attention_norm, whole.mlp_norm
+        self.qkv = param(
+            torch.cat([attention.q.weight[a], attention.k.weight[a], attention.v.weight[a]])
+        )
+        self.o = param(attention.o.weight[:, a])
+        self.up_weight, self.up_bias = param(mlp.up.weight[m]), param(mlp.up.bias[m])
+        self.down_weight, self.down_bias = param(mlp.down.weight[:, m]), mlp.down.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq = x.shape[0], x.shape[1] * self.world_size
+        qkv = _ColumnParallelRegather.apply(self.attention_norm(x), self.qkv, None)
+        q, k, v = (
+            t.view(batch, seq, -1, self.head_size).transpose(1, 2) for t in qkv.chunk(3, dim=-1)
+        )
+        out = attend(q, k, v, causal=False, kind="naive").transpose(1, 2).reshape(batch, seq, -1)
+        h = x + _ReduceScatter.apply(nn.functional.linear(out, self.o))
+        up = _ColumnParallelRegather.apply(self.mlp_norm(h), self.up_weight, self.up_bias)
+        down = _ReduceScatter.apply(nn.functional.linear(nn.functional.gelu(up), self.down_weight))
+        return h + down + self.down_bias
+
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        """Every gradient of the :class:`Block`, by its names, after ``backward``.
+
+        Sums the partial ones (the layer norms, ``mlp.down.bias``) in one all-reduce,
+        as Megatron does once per step, then gathers the slices of the others from the
+        ranks (only for the chapter to compare: training needs no such gather).
+        """
+        partial = {
+            "attention_norm.weight": self.attention_norm.weight,
+            "attention_norm.bias": self.attention_norm.bias,
+            "mlp_norm.weight": self.mlp_norm.weight,
+            "mlp_norm.bias": self.mlp_norm.bias,
+            "mlp.down.bias": self.down_bias,
+        }
+        flat = torch.cat([p.grad.flatten() for p in partial.values()])
+        dist.all_reduce(flat)  # one per step, for the whole model in Megatron
+        pieces = flat.split([p.numel() for p in partial.values()])
+        summed = {name: t.view_as(p) for (name, p), t in zip(partial.items(), pieces, strict=True)}
+
+        def gathered(local: torch.Tensor, dim: int) -> torch.Tensor:
+            parts = [torch.empty_like(local) for _ in range(self.world_size)]
+            dist.all_gather(parts, local.contiguous())
+            return torch.cat(parts, dim=dim)
+
+        q, k, v = (
+            gathered(self.qkv.grad, 0).view(self.world_size, 3, -1, self.qkv.shape[1]).unbind(1)
+        )
+        full = {
+            "attention.q.weight": q.flatten(0, 1),
+            "attention.k.weight": k.flatten(0, 1),
+            "attention.v.weight": v.flatten(0, 1),
+            "attention.o.weight": gathered(self.o.grad, 1),
+            "mlp.up.weight": gathered(self.up_weight.grad, 0),
+            "mlp.up.bias": gathered(self.up_bias.grad, 0),
+            "mlp.down.weight": gathered(self.down_weight.grad, 1),
+        }
+        return {name: t.detach().cpu().clone() for name, t in (summed | full).items()}
+
+
+def _regather_block(layer: Block, x: torch.Tensor, rank: int, world_size: int) -> dict:
+    """The block under :class:`RegatherBlock` on this rank's ``1/N`` of the sequence."""
+    part = RegatherBlock(layer, rank, world_size)
+    x = torch.tensor_split(x, world_size, dim=1)[rank].clone().requires_grad_(True)
+    with CommDebugMode() as forward, CollectiveSizes() as sizes, saved_tensors(part) as kept:
+        out = part(x)
+    with CommDebugMode() as backward, CollectiveSizes() as backward_sizes:
+        out.sum().backward()
+    with CommDebugMode() as step:
+        gradients = part.full_gradients()
+    return {
+        "output": out.detach().cpu().clone(),
+        "input gradient": x.grad.detach().cpu().clone(),
+        "weight gradients": {n: gradients[n] for n, _ in layer.named_parameters()},
+        "forward collectives": _counts(forward),
+        "backward collectives": _counts(backward),
+        "step collectives": {"all_reduce": _counts(step).get("all_reduce", 0)},
+        "collective sizes": sizes.sizes + backward_sizes.sizes,
+        "kept": kept,
+        "kept bytes": sum(row[1] for row in kept),
+    }
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
@@ -321,9 +540,9 @@ def _dtensor_block(
     if sequence_parallel:
         x = torch.tensor_split(x, world_size, dim=1)[rank]
     x = x.clone().requires_grad_(True)
-    with CommDebugMode() as forward, saved_tensors(layer) as kept:
+    with CommDebugMode() as forward, CollectiveSizes() as sizes, saved_tensors(layer) as kept:
         out = layer(x)
-    with CommDebugMode() as backward:
+    with CommDebugMode() as backward, CollectiveSizes() as backward_sizes:
         out.sum().backward()  # the loss is the sum over every rank's share
     return {
         "output": _plain(out),
@@ -336,6 +555,7 @@ def _dtensor_block(
         "weight gradients": {n: _plain(p.grad) for n, p in layer.named_parameters()},
         "forward collectives": _counts(forward),
         "backward collectives": _counts(backward),
+        "collective sizes": sizes.sizes + backward_sizes.sizes,
         "kept": kept,
         "kept bytes": sum(row[1] for row in kept),
     }
@@ -357,8 +577,8 @@ def worker(
 
     ``ffn``, ``heads`` and ``block_seq`` must be divisible by ``world_size``
     (DTensor's even split). Returns the outputs and gradients of each version (see
-    the module); ``"block"`` maps ``"TP"`` and ``"TP + SP"`` to the two splits of
-    the block.
+    the module); ``"block"`` maps ``"TP"``, ``"TP + SP"`` (DTensor's plans) and
+    ``"SP, re-gather"`` (:class:`RegatherBlock`) to the three splits of the block.
     """
     for name, value in (("ffn", ffn), ("heads", heads), ("block_seq", block_seq)):
         if _checks.count(name, value, minimum=1) % world_size:
@@ -377,6 +597,9 @@ def worker(
         )
         for name, sp in (("TP", False), ("TP + SP", True))
     }
+    result["block"]["SP, re-gather"] = _regather_block(
+        block(hidden, ffn, heads, seed).to(dev), x_block, rank, world_size
+    )
     rows = result["by hand"]["my rows"]
     print(
         f"holds hidden units {rows[0]}-{rows[1] - 1} and {result['attention']['heads here']} heads"
