@@ -25,6 +25,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "schedule",
         "batch_size",
         "transformer",
+        "software",
         "published",
         "reliability",
         "context",

@@ -12,7 +12,7 @@ from trainscale import checkpointing, collectives, compute, context, experts, sh
 from trainscale import planner as P
 from trainscale.compute import training_seconds
 from trainscale.memory import model_state_bytes
-from trainscale.planner.calibration import _choices, _documented_overlap
+from trainscale.planner.calibration import _choices
 from trainscale.planner.kernels import (
     _forward_and_backward,
     _fused_attention_seconds,
@@ -439,7 +439,11 @@ def test_published_runs_become_planner_models_and_clusters():
     assert cluster.inter_node_bandwidth == 25e9 and cluster.intra_node_bandwidth == 300e9
     assert not P.published_model(llama).tied_embeddings
     assert P.published_cluster(llama).gpus == 8192
-    assert P.published_model(llama).fused_attention and not model.fused_attention
+    # The attention kernel and dropout are the software's (trainscale.software).
+    assert P.published_model(llama).fused_attention is None
+    assert P.published_model(llama).under(llama.software).fused_attention
+    assert not model.under(megatron_1t.software).fused_attention
+    assert not P.published_model(llama).under(llama.software).dropout
     assert (P.published_model(llama).kv_heads, P.published_model(llama).gated_mlp) == (8, True)
 
 
@@ -564,7 +568,7 @@ def test_every_range_over_1_35_is_an_overlap_no_source_documents():
         run = e.run
         if e.mfu_high / e.mfu_low > 1.35:
             wide.append(run.name)
-            assert _documented_overlap(run) == (None, None)
+            assert run.software.overlap_shares(run.pp, run.zero_stage) == (None, None)
             for overlap in (0.0, 0.5, 1.0):
                 pinned = P.estimate_run(run, overlap=overlap)
                 assert pinned.mfu_high / pinned.mfu_low <= 1.35, (run.name, overlap)
@@ -628,18 +632,22 @@ def test_the_share_moves_to_another_gpu_by_its_fastest_measured_gemm():
         P.Cluster(nodes=1, **{**P.H100_NODE, "max_matmul_share": 1.5})
 
 
+def _documented(run: P.PublishedRun) -> tuple[float | None, float | None]:
+    return run.software.overlap_shares(run.pp, run.zero_stage)
+
+
 def test_documented_overlap_follows_the_runs_software():
     runs = {run.name: run for run in P.published_runs()}
     # Megatron-LM of April 2021: gradients all-reduced after the backward, synchronous TP.
-    assert _documented_overlap(runs["GPT 1.7B on 32 A100s"]) == (0.0, 0.0)
+    assert _documented(runs["GPT 1.7B on 32 A100s"]) == (0.0, 0.0)
     # Megatron-LM of May 2022: the same all-reduce, and the async TP all-reduce.
-    assert _documented_overlap(runs["GPT 22B on 8 A100s, full recompute"]) == (0.0, 1.0)
+    assert _documented(runs["GPT 22B on 8 A100s, full recompute"]) == (0.0, 1.0)
     # Narayanan et al.'s ZeRO-3 rows ran DeepSpeed's data parallelism: not documented.
-    assert _documented_overlap(runs["GPT 174.6B on 384 A100s, ZeRO-3"]) == (None, None)
+    assert _documented(runs["GPT 174.6B on 384 A100s, ZeRO-3"]) == (None, None)
     # BLOOM's pipeline ran on DeepSpeed's engine: gradients reduced after the flush, one
     # model chunk per GPU, ZeRO 0 or 1; its tensor parallelism's overlap is not documented.
     bloom = runs["BLOOM 176B on 384 A100s"]
-    assert _documented_overlap(bloom) == (0.0, None)
+    assert _documented(bloom) == (0.0, None)
     choices = _choices(dataclasses.replace(bloom, zero_stage=None))
     assert choices["v"] == (1,) and choices["zero_stages"] == (0, 1)
     assert P.estimate_run(bloom).layout.virtual_stages == 1
@@ -915,7 +923,8 @@ def test_zero_bubble_schedule_idles_less_than_1f1b():
 
 def test_fp32_gradients_double_the_gradient_bytes_in_memory_and_on_the_wire():
     args = (P.EXAMPLE_MODEL, P.EXAMPLE_CLUSTER, 64, 8, 4, 2, 0, "selective", 1)
-    bf16, fp32 = P.evaluate(*args), P.evaluate(*args, fp32_gradients=True)
+    fp32_stack = P.DEFAULT_SOFTWARE.replace(gradient_reduce_dtype="fp32")
+    bf16, fp32 = P.evaluate(*args), P.evaluate(*args, software=fp32_stack)
     assert fp32.memory_parts["gradients"] == 2 * bf16.memory_parts["gradients"]
     assert fp32.memory_parts["weights"] == bf16.memory_parts["weights"]
     # 1,000 parameters over 2 GPUs at 1 byte/s: a ring all-reduce sends 2 x (1/2) x 1,000

@@ -240,3 +240,33 @@ def test_a_context_parallel_layout_asks_for_ring_attention_and_experts_are_noted
         example.request.model, params=400e9, experts=8, top_k=2, expert_ffn_hidden=4096
     )
     assert "8 experts" in " ".join(planner_cli._shape_note(moe))
+
+
+def test_the_software_is_a_flag_and_its_fields_can_be_changed(capsys):
+    # The book's example plans on the planner's default stack; a published run on its own.
+    assert planner_cli.parse(["--model", "70b"]).software is planner.DEFAULT_SOFTWARE
+    llama = planner_cli.preset_name("Llama 3 405B on 16,384 H100s, 8K tokens")
+    own = planner_cli.parse(["--model", llama])
+    assert own.software is planner.SOFTWARE["meta-llama3"] and own.published is not None
+    # A changed field names itself; it is no longer the published run's stack.
+    changed = planner_cli.parse(["--model", llama, "--gradient-reduce-dtype", "bf16"])
+    assert changed.software.gradient_reduce_dtype == "bf16" and changed.published is None
+    picked = planner_cli.parse(
+        ["--model", "70b", "--software", "torchtitan-fsdp2", "--dropout", "--no-fused-attention"]
+    )
+    assert picked.software.dropout and not picked.software.fused_attention
+    assert picked.software.gradient_reduce_dtype == "fp32"  # the preset's own
+    assert picked.software.name.startswith("torchtitan-fsdp2 (")
+    # fp32 gradients: twice the gradient bytes on the GPU of the same layout
+    lay = planner.evaluate(planner.EXAMPLE_MODEL, planner.EXAMPLE_CLUSTER, 64, 8, 4, 2, 1)
+    fp32 = planner.evaluate(
+        *(planner.EXAMPLE_MODEL, planner.EXAMPLE_CLUSTER, 64, 8, 4, 2, 1),
+        software=picked.software,
+    )
+    assert fp32.memory_parts["gradients"] == 2 * lay.memory_parts["gradients"]
+    with pytest.raises(SystemExit):
+        planner_cli.parse(["--model", "70b", "--software", "megatron"])
+    assert "--software" in capsys.readouterr().err
+    text = "".join(planner_cli.parser().format_help().split())  # wrapped at hyphens
+    assert all(name in text for name in planner.SOFTWARE)
+    assert "--no-dropout" in text and "--gradient-reduce-dtype" in text

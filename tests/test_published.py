@@ -7,10 +7,12 @@ from pathlib import Path
 import pytest
 
 from trainscale.published import GPUS, PublishedRun, published_runs
+from trainscale.software import SOFTWARE
 
 FIELDS = (
     "name",
     "source",
+    "software",
     "params",
     "layers",
     "hidden",
@@ -140,8 +142,10 @@ def test_tied_embeddings_read_off_the_parameter_count():
 
 
 def test_bad_records_are_named():
-    good = dataclasses.asdict(published_runs()[0])
+    good = dataclasses.asdict(published_runs()[0]) | {"software": "megatron-lm-2021"}
+    assert PublishedRun(**good).software is SOFTWARE["megatron-lm-2021"]  # a name resolves
     for change, name in (
+        ({"software": "megatron"}, "software"),
         ({"gpu": "V100"}, "gpu"),
         ({"dp": 31}, "gpus"),
         ({"recompute": "some"}, "recompute"),

@@ -19,6 +19,7 @@ from importlib import resources
 
 from trainscale import _checks
 from trainscale.checkpointing import RECOMPUTE
+from trainscale.software import Software, software
 
 MIB = 2**20
 """Bytes in one MiB, the unit ``nvidia-smi`` reports GPU memory in."""
@@ -137,10 +138,13 @@ class PublishedRun:
     sequences), ``zero_stage``, ``recompute`` (one of :data:`trainscale.checkpointing.RECOMPUTE`),
     ``sequence_parallel``. Result: ``step_seconds``, one optimiser step, derived as
     ``source`` says. ``name`` labels the run and ``source`` cites it (with its bib key).
+    ``software`` is the stack it ran on (:class:`trainscale.software.Software`; a name of
+    :data:`trainscale.software.SOFTWARE` is resolved to its preset).
     """
 
     name: str
     source: str
+    software: Software
     params: int
     layers: int
     hidden: int
@@ -169,6 +173,7 @@ class PublishedRun:
         for name in ("name", "source"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"{name} must be a non-empty string, got {getattr(self, name)!r}")
+        object.__setattr__(self, "software", software(self.software))
         required = ("params", "layers", "hidden", "heads", "vocab", "seq_len", "gpus", "tp", "pp")
         for name in (*required, "dp", "global_batch"):
             object.__setattr__(self, name, _checks.count(name, getattr(self, name), minimum=1))

@@ -17,7 +17,9 @@ available.
 
 The package follows chapter 13's sections; each module imports only those above it:
 
-* :mod:`~trainscale.planner.inputs`: the model, the cluster, the worked examples;
+* :mod:`~trainscale.planner.inputs`: the model, the cluster, the worked examples (the
+  software they train with is :class:`trainscale.software.Software`, re-exported here
+  with its presets :data:`SOFTWARE` and :data:`DEFAULT_SOFTWARE`);
 * :mod:`~trainscale.planner.memory`: model state and activations per GPU;
 * :mod:`~trainscale.planner.traffic`: what each kind of parallelism sends;
 * :mod:`~trainscale.planner.kernels`: every kernel at its roofline, the GEMM share;
@@ -45,9 +47,6 @@ from trainscale.memory import (
 )
 from trainscale.planner.calibration import (
     CALIBRATION_TARGETS,
-    DEEPSPEED_PIPELINE_SOURCES,
-    DOCUMENTED_OVERLAP,
-    FP32_GRADIENT_SOURCES,
     INTERLEAVING,
     RunEstimate,
     calibration_targets,
@@ -62,11 +61,9 @@ from trainscale.planner.inputs import (
     EXAMPLE_CLUSTER,
     EXAMPLE_GLOBAL_BATCH,
     EXAMPLE_MODEL,
-    FUSED_ATTENTION_SOURCES,
     H100_NODE,
     LONG_CONTEXT_MODEL,
     MOE_MODEL,
-    NO_DROPOUT_SOURCES,
     Cluster,
     Model,
     node_settings,
@@ -120,21 +117,23 @@ from trainscale.published import (
     PublishedRun,
     published_runs,
 )
+from trainscale.software import (
+    DEFAULT_SOFTWARE,
+    SOFTWARE,
+    Software,
+)
 
 __all__ = [  # this module's public names, and those it re-exports for chapter 13
     "A100_NODE",
     "ACTIVATION_PARTS",
     "CALIBRATION_TARGETS",
     "COLLECTIVE_STEP_SECONDS",
-    "DEEPSPEED_PIPELINE_SOURCES",
-    "DOCUMENTED_OVERLAP",
+    "DEFAULT_SOFTWARE",
     "ELEMENTWISE_TRAFFIC",
     "EXAMPLE_CLUSTER",
     "EXAMPLE_GLOBAL_BATCH",
     "EXAMPLE_MODEL",
     "FP32_GRADIENTS",
-    "FP32_GRADIENT_SOURCES",
-    "FUSED_ATTENTION_SOURCES",
     "FUSED_BACKWARD_PASSES",
     "GEMM_SHARE",
     "H100_NODE",
@@ -144,11 +143,11 @@ __all__ = [  # this module's public names, and those it re-exports for chapter 1
     "MAX_BUBBLE",
     "MEMORY_PARTS",
     "MOE_MODEL",
-    "NO_DROPOUT_SOURCES",
     "OPTIMISER_STEP_BYTES",
     "OVERLAP",
     "RECOMPUTE",
     "SCHEDULES",
+    "SOFTWARE",
     "TABLE4_GPU",
     "TABLE4_RUN",
     "TABLE4_SECONDS",
@@ -161,6 +160,7 @@ __all__ = [  # this module's public names, and those it re-exports for chapter 1
     "Model",
     "PublishedRun",
     "RunEstimate",
+    "Software",
     "activation_bytes_per_gpu",
     "calibration_targets",
     "context_parallel_degrees",

@@ -5,16 +5,17 @@ at its own layout, with a range (:class:`RunEstimate`); :func:`mfu_range` gives 
 layout of :func:`plan` the same range; :func:`reported_mfu` restates a run's published
 utilisation in the book's ``6 N`` convention and :func:`restated_run` turns a published
 utilisation into a run; :func:`calibration_targets` measures the estimates against
-:data:`CALIBRATION_TARGETS`. What a run's software did is read off its code
-(:data:`DOCUMENTED_OVERLAP`, :data:`DEEPSPEED_PIPELINE_SOURCES`,
-:data:`FP32_GRADIENT_SOURCES`).
+:data:`CALIBRATION_TARGETS`. What a run's software did is its
+:attr:`~trainscale.published.PublishedRun.software` (:class:`trainscale.software.Software`,
+each field read off the stack's code or docs): its attention kernel, dropout, gradient
+dtype, pipeline engine and documented overlap.
 
 The calibrated model's range (:func:`estimate_run`, :func:`mfu_range`) comes from
 what it admits it does not know: the GEMM share (the two halves of Table 4 read
 apart, :func:`gemm_share`) and how far that share carries to GEMMs of other shapes
 (the tiles' fixed cost between none and the most Table 4 can carry,
 :func:`tile_overhead_range`: narrow at Table 4's shapes, wider away from them),
-:data:`ELEMENTWISE_TRAFFIC`, and :data:`OVERLAP` where no source documents it; the
+:data:`ELEMENTWISE_TRAFFIC`, and :data:`OVERLAP` where the software does not document it; the
 fields a run does not publish are searched. Chapter 13 prints it against every published run of
 :func:`trainscale.published.published_runs`.
 """
@@ -33,9 +34,9 @@ from trainscale.planner.inputs import (
     Cluster,
     Model,
     _check_inputs,
-    _cites,
     _Problem,
     _published,
+    _software,
     published_cluster,
     published_model,
 )
@@ -45,54 +46,7 @@ from trainscale.planner.memory import _chunks_fit
 from trainscale.planner.search import plan, top_layouts
 from trainscale.planner.step import _evaluate
 from trainscale.published import GPUS, PublishedRun
-
-FP32_GRADIENT_SOURCES = ("dubey2024llama3",)
-"""Bib keys of the calibration runs that accumulate and reduce gradients in fp32
-(:data:`FP32_GRADIENTS`): Llama 3, section 3.3.2. The Megatron-LM runs and BLOOM
-reduce 16-bit gradients (Megatron-LM's default)."""
-
-
-DOCUMENTED_OVERLAP: dict[str, tuple[float, float]] = {
-    "narayanan2021efficient": (0.0, 0.0),
-    "korthikanti2022reducing": (0.0, 1.0),
-}
-"""What the software of a calibration run hid, where its code shows it: ``(data-parallel
-traffic, the backward's tensor-parallel collectives)``, the share hidden, by bib key, for
-runs that use Megatron-LM's own data parallelism (ZeRO stage 0); the others keep the
-:data:`OVERLAP` band. Megatron-LM as of 9 April 2021 (commit cdde433, Narayanan et
-al.'s code): ``train_step`` all-reduces the gradients (``allreduce_gradients``, the
-default ``--DDP-impl local``) after ``forward_backward_func`` returns, so nothing of it
-hides; the tensor-parallel all-reduces are synchronous. As of 10 May 2022 (commit
-d239429, Korthikanti et al.'s): the same all-reduce after the backward, and
-``async_tensor_model_parallel_allreduce`` (on unless
-``--no-async-tensor-model-parallel-allreduce``) runs a column-parallel layer's backward
-all-reduce while its weight-gradient GEMM computes; with sequence parallelism (commit
-739cb43, 24 May 2022, the code of their selective-recomputation runs) the backward's
-all-gather runs under the input-gradient GEMM and its reduce-scatter under the
-weight-gradient GEMM instead. A property of the software, read off its code, not a
-tuned constant."""
-
-
-DEEPSPEED_PIPELINE_SOURCES = ("bigscience2022bloom", "smith2022megatronturing")
-"""Bib keys of runs whose pipeline ran on DeepSpeed's pipeline engine (Megatron-DeepSpeed:
-BLOOM; MT-NLG). Its ``TrainSchedule`` (``deepspeed/runtime/pipe/schedule.py``) is 1F1B
-without interleaving, and reduces the gradients (``ReduceGrads``) only after the last
-micro-batch's backward; its engine refuses ZeRO stages 2 and 3 ("ZeRO-2 and ZeRO-3 are
-incompatible with pipeline parallelism", ``deepspeed/runtime/pipe/engine.py``). So: one
-model chunk per GPU, ZeRO 0 or 1, and no data-parallel traffic hidden under the
-backward. A property of the software, read off its code."""
-
-
-def _documented_overlap(run: PublishedRun) -> tuple[float | None, float | None]:
-    """``(data, tensor)`` overlap a run's software documents (:data:`DOCUMENTED_OVERLAP`,
-    :data:`DEEPSPEED_PIPELINE_SOURCES`), ``None`` where it does not."""
-    if run.zero_stage == 0:
-        for key, shares in DOCUMENTED_OVERLAP.items():
-            if _cites(run, (key,)):
-                return shares
-    if _cites(run, DEEPSPEED_PIPELINE_SOURCES):
-        return 0.0, None
-    return None, None
+from trainscale.software import DEFAULT_SOFTWARE, Software
 
 
 def reported_mfu_6n(run: PublishedRun) -> float:
@@ -124,7 +78,7 @@ class RunEstimate:
     fields the run does not publish, under the central and the pessimistic and
     optimistic ends of :func:`gemm_share` (with no tile cost, the counted one and the
     upper end of :func:`tile_overhead_range`), :data:`ELEMENTWISE_TRAFFIC` and
-    :data:`OVERLAP` (or :data:`DOCUMENTED_OVERLAP`).
+    :data:`OVERLAP` (or the overlap the run's software documents).
     ``layout`` is the central estimate (its ``times`` the step's breakdown, in
     seconds), ``memory_bytes`` its memory per GPU, ``fits`` whether that is within
     :data:`trainscale.memory.USABLE_MEMORY` of the GPU, ``rank`` the published
@@ -152,18 +106,19 @@ INTERLEAVING = (1, 2, 3, 4, 6, 8)
 
 
 def _choices(run: PublishedRun) -> dict:
-    """What a run publishes, or every value the planner tries where it does not (on
-    DeepSpeed's pipeline engine, one model chunk per GPU and ZeRO 0 or 1:
-    :data:`DEEPSPEED_PIPELINE_SOURCES`)."""
-    deepspeed = _cites(run, DEEPSPEED_PIPELINE_SOURCES)
-    depths = INTERLEAVING if not deepspeed else (1,)
-    stages = (0, 1, 2, 3) if not deepspeed else (0, 1)
+    """What a run publishes, or every value the planner tries where it does not: the
+    interleaving depths of :data:`INTERLEAVING` and the ZeRO stages its software's engine
+    runs at its pipeline depth (DeepSpeed's pipeline engine: one model chunk per GPU,
+    ZeRO 0 or 1)."""
+    stack = run.software
     return {
         "micro_batches": (run.micro_batch,) if run.micro_batch else (1, 2, 4, 8),
-        "zero_stages": (run.zero_stage,) if run.zero_stage is not None else stages,
+        "zero_stages": (run.zero_stage,)
+        if run.zero_stage is not None
+        else stack.stages_for(run.pp),
         "recompute": (run.recompute,) if run.recompute else RECOMPUTE,
         "sp": (run.sequence_parallel,) if run.sequence_parallel is not None else (True, False),
-        "v": (run.virtual_stages,) if run.virtual_stages else depths,
+        "v": (run.virtual_stages,) if run.virtual_stages else stack.depths_for(INTERLEAVING),
     }
 
 
@@ -178,7 +133,8 @@ def _at_shape(
 ) -> Layout | None:
     """The fastest setting at the run's shape, searched over what it does not publish;
     ``overlap`` pins the share of communication hidden (else documented, else the band)."""
-    model, cluster, c = published_model(run), published_cluster(run), _choices(run)
+    stack = run.software
+    model, cluster, c = published_model(run).under(stack), published_cluster(run), _choices(run)
     problem = _Problem(model, cluster, run.global_batch)
     cp = run.cp or 1
     candidates = []
@@ -186,9 +142,12 @@ def _at_shape(
         if not _chunks_fit(run.layers, run.pp, v):
             continue
         for sp in c["sp"]:
-            fp32 = _cites(run, FP32_GRADIENT_SOURCES)
-            shares = _documented_overlap(run) if overlap is None else (overlap, overlap)
-            opt = _options(sp, v, None, USABLE_MEMORY, 1.0, band, "1f1b", fp32, shares, overhead)
+            opt = _options(
+                *(sp, v, None, USABLE_MEMORY, 1.0, band, "1f1b"),
+                software=stack,
+                overlap=overlap,
+                overhead=overhead,
+            )
             candidates += [
                 _evaluate(
                     problem,
@@ -211,8 +170,19 @@ def _at_shape(
 
 
 def _rank(run: PublishedRun, point: Layout) -> int | None:
-    """Place of the run's shape among the planner's fastest fitting shapes (central band)."""
+    """Place of the run's shape among the planner's fastest fitting shapes (central band).
+
+    Ranked on the run's attention kernel, dropout and gradient dtype, but with the default
+    engine rules and overlap band of :data:`trainscale.software.DEFAULT_SOFTWARE` for every
+    shape, as before the software was an input (the documented overlap and engine of the
+    run's software describe its own layout, not every other shape's)."""
     c = _choices(run)
+    own = run.software
+    stack = DEFAULT_SOFTWARE.replace(
+        fused_attention=own.fused_attention,
+        dropout=own.dropout,
+        gradient_reduce_dtype=own.gradient_reduce_dtype,
+    )
     v = point.virtual_stages
     layouts = plan(
         published_model(run),
@@ -225,7 +195,7 @@ def _rank(run: PublishedRun, point: Layout) -> int | None:
         virtual_stages=v,
         efficiency=None,
         max_bubble=1.0,
-        fp32_gradients=_cites(run, FP32_GRADIENT_SOURCES),
+        software=stack,
         context_parallel=(run.cp or 1,),
     )
     shapes = [lay.shape for lay in top_layouts(layouts, count=len(layouts))]
@@ -254,10 +224,10 @@ def estimate_run(run: PublishedRun, overlap: float | None = None) -> RunEstimate
     interleaving depth) is searched, and the fastest setting taken, once for each end
     of the range: the ``low`` and ``high`` bands of :func:`gemm_share` (with no tile
     cost, the counted one and the upper end of :func:`tile_overhead_range`),
-    :data:`ELEMENTWISE_TRAFFIC` and :data:`OVERLAP` (or the overlap the run's software documents,
-    :data:`DOCUMENTED_OVERLAP`). ``overlap`` (a share in [0, 1]) pins the share of the
-    data- and tensor-parallel communication that hides instead: what the range would be
-    if a source said it.
+    :data:`ELEMENTWISE_TRAFFIC` and :data:`OVERLAP` (or the overlap the run's software
+    documents, :meth:`trainscale.software.Software.overlap_shares`). ``overlap`` (a share
+    in [0, 1]) pins the share of the data- and tensor-parallel communication that hides
+    instead: what the range would be if a source said it.
     """
     run = _published(run)
     pinned = None if overlap is None else _checks.fraction("overlap", overlap)
@@ -284,15 +254,17 @@ def mfu_range(
     layout: Layout,
     *,
     schedule: str = "1f1b",
-    fp32_gradients: bool = False,
+    software: Software | str | None = None,
 ) -> tuple[float, float]:
     """``(low, high)``: the calibrated model's MFU range for one ``layout`` of
-    :func:`plan` or :func:`evaluate` (with the ``schedule`` and ``fp32_gradients`` it was
+    :func:`plan` or :func:`evaluate` (with the ``schedule`` and ``software`` it was
     planned with), the same construction :func:`estimate_run` gives a published run:
     the pessimistic and optimistic bands of :func:`gemm_share` (with no tile cost, the
     counted one and the upper end of :func:`tile_overhead_range`),
     :data:`ELEMENTWISE_TRAFFIC` and :data:`OVERLAP`."""
     _check_inputs(model, cluster, 1)
+    stack = _software(software)
+    model = model.under(stack)
     if not isinstance(layout, Layout):
         raise ValueError(f"layout must be a planner.Layout, got {type(layout).__name__}")
     if layout.verdict == "invalid":
@@ -319,7 +291,7 @@ def mfu_range(
             1.0,
             band,
             schedule,
-            fp32_gradients,
+            software=stack,
             overhead=overhead,
         )
         return _evaluate(problem, shape, opt)

@@ -10,6 +10,7 @@ command that runs the best one with the book's capstone, :mod:`trainscale.train`
     python -m trainscale.planner --params 7e9 --layers 32 --hidden 4096 --heads 32 \\
         --seq-len 4096 --vocab 32000 --gpu H100-80GB --nodes 2 --global-batch 512
     python -m trainscale.planner --model 70b --laptop 8
+    python -m trainscale.planner --model 70b --software torchtitan-fsdp2 --no-dropout
 
 A model is a preset (``--list-models`` names them: the book's worked example
 ``70b``, and every published run of :func:`trainscale.published.published_runs`,
@@ -20,6 +21,13 @@ the planner's estimate of the published layout, with its range
 scales the best layout down to a tiny model that runs on N gloo processes on a
 CPU, with the same kinds of parallelism (:func:`laptop_shape`), and prints that
 command too.
+
+The software stack is an input (:class:`trainscale.software.Software`): ``--software
+NAME`` picks a preset of :data:`trainscale.software.SOFTWARE` (a published run's preset
+brings its own; otherwise :data:`trainscale.software.DEFAULT_SOFTWARE`, the planner's
+assumptions before the software was an input), and ``--fused-attention`` /
+``--no-fused-attention``, ``--dropout`` / ``--no-dropout``, ``--gradient-reduce-dtype``
+change one field of it.
 """
 
 from __future__ import annotations
@@ -45,11 +53,13 @@ from trainscale.planner.commands import (
     train_flags,
 )
 from trainscale.published import GPUS, PublishedRun, published_runs
+from trainscale.software import DEFAULT_SOFTWARE, GRADIENT_REDUCE_DTYPES, SOFTWARE, Software
 
 __all__ = [  # the command line's names, and those it re-exports from planner.commands
     "DEFAULT_GPU",
     "LAPTOP_MODEL",
     "MODEL_FLAGS",
+    "SOFTWARE_FLAGS",
     "Preset",
     "Request",
     "cluster_command",
@@ -86,6 +96,8 @@ class Preset:
     global_batch: int
     run: PublishedRun | None = None
     """The published run the preset comes from, if any."""
+    software: Software = DEFAULT_SOFTWARE
+    """The stack it is planned on by default: a published run's own."""
 
 
 def preset_name(title: str) -> str:
@@ -117,6 +129,7 @@ def presets() -> dict[str, Preset]:
             cluster.inter_node_bandwidth,
             run.global_batch,
             run,
+            run.software,
         )
     return found
 
@@ -176,6 +189,28 @@ def parser() -> argparse.ArgumentParser:
         help=f"sequences per optimiser step (default: the preset's, or"
         f" {planner.EXAMPLE_GLOBAL_BATCH})",
     )
+    add(
+        "--software",
+        choices=tuple(SOFTWARE),
+        default=None,
+        metavar="NAME",
+        help=f"the training stack, one of {', '.join(SOFTWARE)} (default: the preset's,"
+        f" or {DEFAULT_SOFTWARE.name}: the planner's assumptions)",
+    )
+    switch = argparse.BooleanOptionalAction
+    add(
+        "--fused-attention",
+        action=switch,
+        default=None,
+        help="the stack's attention kernel is fused (FlashAttention-style), or not",
+    )
+    add("--dropout", action=switch, default=None, help="the layers keep dropout masks, or not")
+    add(
+        "--gradient-reduce-dtype",
+        choices=GRADIENT_REDUCE_DTYPES,
+        default=None,
+        help="dtype the gradients are accumulated and reduced in (default: the software's)",
+    )
     add("--top", type=int, default=5, metavar="K", help="list K layouts (default: 5)")
     add(
         "--laptop",
@@ -200,6 +235,19 @@ class Request:
     laptop: int | None
     published: PublishedRun | None = None
     """The published run asked for, unchanged by any flag (its own model, cluster, batch)."""
+    software: Software = DEFAULT_SOFTWARE
+    """The stack to plan on (a preset of :data:`trainscale.software.SOFTWARE`, maybe changed)."""
+
+
+SOFTWARE_FLAGS = ("fused_attention", "dropout", "gradient_reduce_dtype")
+"""The fields of :class:`trainscale.software.Software` a flag changes (``--no-dropout``)."""
+
+
+def _software(args: argparse.Namespace, preset: Preset | None) -> Software:
+    """The preset's software (or ``--software``'s), with the fields the flags change."""
+    base = SOFTWARE[args.software] if args.software else (preset.software if preset else None)
+    changes = {f: getattr(args, f) for f in SOFTWARE_FLAGS if getattr(args, f) is not None}
+    return (base or DEFAULT_SOFTWARE).replace(**changes)
 
 
 def _model(args: argparse.Namespace, preset: Preset | None) -> planner.Model:
@@ -264,14 +312,16 @@ def parse(argv: Sequence[str] | None = None) -> Request | None:
     batch = _checks.count("--global-batch", batch, minimum=1)
     top = _checks.count("--top", args.top, minimum=1)
     laptop = None if args.laptop is None else _checks.count("--laptop", args.laptop, minimum=1)
+    stack = _software(args, preset)
     run = preset.run if preset else None
-    if run and (model, cluster, batch) != (
+    if run and (model, cluster, batch, stack) != (
         preset.model,
         planner.published_cluster(run),
         run.global_batch,
+        run.software,
     ):
         run = None  # a flag changed the run: the published figures no longer apply
-    return Request(model, cluster, gpu, batch, top, laptop, run)
+    return Request(model, cluster, gpu, batch, top, laptop, run, stack)
 
 
 # --------------------------------------------------------------------------- commands
@@ -375,14 +425,21 @@ def _published_lines(run: PublishedRun) -> list[str]:
 
 def report(request: Request) -> tuple[list[str], bool]:
     """Everything ``main`` prints for ``request``, and whether it found a layout to run."""
-    layouts = planner.plan(request.model, request.cluster, request.global_batch)
+    stack = request.software
+    layouts = planner.plan(request.model, request.cluster, request.global_batch, software=stack)
     best = planner.top_layouts(layouts, count=request.top)
     counts = planner.verdict_counts(layouts)
     lines = [*describe(request), f"{len(layouts):,} layouts tried, {counts['fits']:,} fit", ""]
     if not best:
         return [*lines, "no layout fits: add GPUs, or shorten the sequences"], False
-    ranges = [planner.mfu_range(request.model, request.cluster, lay) for lay in best]
-    lines += ["the fastest shapes (planner estimates):", *layout_table(best, ranges), ""]
+    ranges = [
+        planner.mfu_range(request.model, request.cluster, lay, software=stack) for lay in best
+    ]
+    lines += [
+        f"the fastest shapes (planner estimates, software {stack.name}):",
+        *layout_table(best, ranges),
+        "",
+    ]
     if request.published is not None:
         lines += _published_lines(request.published)
     place, notes = _runnable(best, request)

@@ -11,12 +11,13 @@ planner's model and cluster of a published run (:func:`published_model`,
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import dataclasses
 from dataclasses import dataclass
 
 from trainscale import _checks
 from trainscale.checkpointing import RECOMPUTE
 from trainscale.published import GPUS, PublishedRun
+from trainscale.software import DEFAULT_SOFTWARE, Software, software
 
 
 def _recompute(name: str, value: object) -> str:
@@ -25,6 +26,11 @@ def _recompute(name: str, value: object) -> str:
 
 def _zero(name: str, value: object) -> int:
     return int(_checks.choice(name, value, (0, 1, 2, 3)))  # type: ignore[call-overload]
+
+
+def _software(value: object) -> Software:
+    """A :class:`Software` record, or the preset of that name (``None``: the default)."""
+    return DEFAULT_SOFTWARE if value is None else software(value)
 
 
 def _check_inputs(model: object, cluster: object, global_batch: object) -> int:
@@ -46,6 +52,10 @@ class Model:
     2022, arXiv 2205.14135: the ``s x s`` scores never reach GPU memory); the
     activation memory reads the same fields and ``dropout`` (``False``: no dropout
     masks are kept), through :func:`trainscale.checkpointing.layer_activation_bytes`.
+    Those two are the software's (:class:`trainscale.software.Software`, given to
+    :func:`plan`, :func:`evaluate` and :func:`estimate_run`) when left ``None``; a value
+    here is this model's own and wins (Llama 3's layers have no dropout on any stack).
+    :meth:`under` fills them in.
 
     A mixture of experts (chapter 15): ``experts`` MLPs of width ``expert_ffn_hidden``
     (``None``: ``ffn_hidden``) in every layer, ``top_k`` of them per token; ``params``
@@ -70,8 +80,8 @@ class Model:
     kv_heads: int | None = None
     ffn_hidden: int | None = None
     gated_mlp: bool = False
-    fused_attention: bool = True
-    dropout: bool = True
+    fused_attention: bool | None = None
+    dropout: bool | None = None
     experts: int | None = None
     top_k: int = 1
     expert_ffn_hidden: int | None = None
@@ -82,8 +92,11 @@ class Model:
         for name in ("kv_heads", "ffn_hidden", "experts", "expert_ffn_hidden"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, _checks.count(name, getattr(self, name), minimum=1))
-        for name in ("tied_embeddings", "gated_mlp", "fused_attention", "dropout"):
+        for name in ("tied_embeddings", "gated_mlp"):
             _checks.boolean(name, getattr(self, name))
+        for name in ("fused_attention", "dropout"):
+            if getattr(self, name) is not None:
+                _checks.boolean(name, getattr(self, name))
         if self.hidden % self.heads:
             raise ValueError(
                 f"hidden must be a multiple of heads ({self.heads}), got {self.hidden}"
@@ -96,6 +109,18 @@ class Model:
                 f"params must exceed the {fixed:,} parameters of the embedding, output "
                 f"and expert layers, got {self.params:,}"
             )
+
+    def under(self, stack: Software) -> Model:
+        """This model on ``stack``: ``fused_attention`` and ``dropout`` left ``None`` are
+        the software's."""
+        if not isinstance(stack, Software):
+            raise ValueError(f"software must be a Software record, got {type(stack).__name__}")
+        changes = {
+            name: getattr(stack, name)
+            for name in ("fused_attention", "dropout")
+            if getattr(self, name) is None
+        }
+        return dataclasses.replace(self, **changes) if changes else self
 
     @property
     def expert_width(self) -> int:
@@ -125,14 +150,16 @@ class Model:
     def layer_shape(self) -> dict[str, object]:
         """The keyword arguments of :func:`trainscale.checkpointing.layer_activation_bytes`
         that describe this model's layer (grouped-query attention, MLP width and gating,
-        fused attention, dropout)."""
+        fused attention, dropout: where left ``None``, those of
+        :data:`trainscale.software.DEFAULT_SOFTWARE`)."""
         ffn = self.ffn_hidden if self.experts is None else self.top_k * self.expert_width
+        resolved = self.under(DEFAULT_SOFTWARE)
         return {
             "kv_heads": self.kv_heads,
             "ffn_hidden": ffn,
             "gated_mlp": self.gated_mlp,
-            "fused_attention": self.fused_attention,
-            "dropout": self.dropout,
+            "fused_attention": resolved.fused_attention,
+            "dropout": resolved.dropout,
         }
 
     @property
@@ -288,35 +315,15 @@ def _published(run: object) -> PublishedRun:
     return run
 
 
-FUSED_ATTENTION_SOURCES = ("dubey2024llama3",)
-"""Bib keys of the calibration runs that used a fused (FlashAttention-style) attention
-kernel. FlashAttention (Dao et al., arXiv 2205.14135) appeared in May 2022; Narayanan
-et al. (2021), Korthikanti et al. and BLOOM (both trained before it) used Megatron-LM's
-fused softmax, which still writes the ``s x s`` scores to memory; Llama 3 (2024)
-names a fused attention kernel. A property of the software a paper used, not a tuned
-constant."""
-
-
-def _cites(run: PublishedRun, keys: Iterable[str]) -> bool:
-    """Whether the run's source names one of the bib ``keys``."""
-    return any(f"bib key {key}" in run.source for key in keys)
-
-
-NO_DROPOUT_SOURCES = ("dubey2024llama3",)
-"""Bib keys of the calibration runs whose layers have no dropout: Llama 3's reference
-model (meta-llama/llama3, ``llama/model.py``) has none, so no 1-byte masks are kept.
-Megatron-LM's GPT runs and BLOOM use dropout (Megatron-LM's default, 0.1)."""
-
-
 def published_model(run: PublishedRun) -> Model:
     """The planner's :class:`Model` of a published run.
 
     Tied embeddings are read off the published parameter count
     (:attr:`trainscale.published.PublishedRun.tied_embeddings`); grouped-query
-    attention, the MLP width and its gating go to the roofline step time; the
-    attention kernel is fused when the run's source is in :data:`FUSED_ATTENTION_SOURCES`.
-    Activation memory stays GPT-style (Korthikanti et al.'s count, an approximation
-    for gated MLPs).
+    attention, the MLP width and its gating go to the roofline step time; the attention
+    kernel and dropout are left to the run's software (:attr:`PublishedRun.software`,
+    which :func:`estimate_run` plans it on). Activation memory stays GPT-style
+    (Korthikanti et al.'s count, an approximation for gated MLPs).
     """
     run = _published(run)
     return Model(
@@ -330,8 +337,6 @@ def published_model(run: PublishedRun) -> Model:
         kv_heads=run.kv_heads,
         ffn_hidden=run.ffn_hidden,
         gated_mlp=bool(run.gated_mlp),
-        fused_attention=_cites(run, FUSED_ATTENTION_SOURCES),
-        dropout=not _cites(run, NO_DROPOUT_SOURCES),
     )
 
 

@@ -223,7 +223,7 @@ def _layer_times_at(
     pairs = b * a / t  # (sequence, head) pairs on this GPU
     shape = model.layer_shape
     kept = layer_activation_bytes(s // c, b, h, a, t, sp, "none", **shape)
-    if model.fused_attention:
+    if shape["fused_attention"]:  # the software's, where the model leaves it
         scores, scores_back = _fused_attention_seconds(pairs, s / c, s, d, peak * share)
         score_bytes = 0.0
     else:  # Q K^T, then the probabilities times V
@@ -242,12 +242,12 @@ def table4_seconds(share: float, overhead: float = 1.0) -> dict[str, float]:
     seconds: forward (the layer, :func:`_layer_times_at`, plus its two synchronous
     tensor-parallel all-reduces) and backward (the layer's gradient GEMMs at their own
     shapes; the run's software overlapped the backward's two all-reduces with the
-    weight-gradient GEMMs, :data:`DOCUMENTED_OVERLAP`), element-wise traffic at its
+    weight-gradient GEMMs, as the software documents it), element-wise traffic at its
     central :data:`ELEMENTWISE_TRAFFIC`."""
     share = _checks.positive("share", share, maximum=1.0)
     overhead = _checks.non_negative("overhead", overhead)
     run = next(r for r in published_runs() if r.name == TABLE4_RUN)
-    model, cluster = published_model(run), published_cluster(run)
+    model, cluster = published_model(run).under(run.software), published_cluster(run)
     s, b, h, t = model.seq_len, run.micro_batch, model.hidden, run.tp
     traffic = ELEMENTWISE_TRAFFIC["point"]
     forward, _, backward = _layer_times_at(
@@ -353,7 +353,7 @@ def _roofline(
     last_layers = layers - (ends_short >= 2)
 
     def stage(count: int, head: float, head_back: float) -> tuple[float, float, float]:
-        selective = 0.0 if model.fused_attention else count * score
+        selective = 0.0 if model.layer_shape["fused_attention"] else count * score
         recompute = {"full": count * layer, "selective": selective, "none": 0.0}[mode]
         return count * layer + head, count * layer_back + head_back, recompute
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from trainscale import _checks
 from trainscale.memory import STATE_GROUPS
 from trainscale.planner.traffic import OVERLAP
+from trainscale.software import DEFAULT_SOFTWARE, Software
 
 KERNEL_EFFICIENCY = 0.6
 """The simple cost model's one efficiency: the share of peak FLOP/s that a transformer
@@ -135,9 +136,8 @@ class _Options:
     max_bubble: float
     band: str = "point"
     schedule: str = "1f1b"
-    fp32_gradients: bool = False
-    overlap_data: float | None = None  # documented by the run's software, else the band's
-    overlap_tensor: float | None = None
+    software: Software = DEFAULT_SOFTWARE
+    overlap: float | None = None  # pinned share hidden (estimate_run); None: the software's
     overhead: float = 1.0  # the tiles' fixed cost, x tile_overhead_k (tile_overhead_range)
 
 
@@ -149,12 +149,14 @@ def _options(
     max_bubble: object,
     band: str = "point",
     schedule: object = "1f1b",
-    fp32_gradients: object = False,
-    overlap: tuple[float | None, float | None] = (None, None),
+    *,
+    software: Software = DEFAULT_SOFTWARE,
+    overlap: float | None = None,
     overhead: float = 1.0,
 ) -> _Options:
-    """Checked options; ``overlap`` the ``(data, tensor)`` shares a run's software
-    documents (``None``: the band's), ``overhead`` the tiles' fixed cost's multiple."""
+    """Checked options; ``software`` the stack (its documented overlap, else the band's),
+    ``overlap`` a share of communication hidden that replaces both, ``overhead`` the
+    tiles' fixed cost's multiple."""
     return _Options(
         sequence_parallel=_checks.boolean("sequence_parallel", sequence_parallel),
         virtual_stages=_checks.count("virtual_stages", virtual_stages, minimum=1),
@@ -165,9 +167,8 @@ def _options(
         max_bubble=_checks.fraction("max_bubble", max_bubble),
         band=str(_checks.choice("band", band, tuple(OVERLAP))),
         schedule=str(_checks.choice("schedule", schedule, SCHEDULES)),
-        fp32_gradients=_checks.boolean("fp32_gradients", fp32_gradients),
-        overlap_data=overlap[0],
-        overlap_tensor=overlap[1],
+        software=software,
+        overlap=overlap,
         overhead=overhead,
     )
 

@@ -129,7 +129,7 @@ def _activations(
     s, h, a, vocab = model.seq_len // c, model.hidden, model.heads, model.vocab
     per_layer = layer_activation_bytes(s, b, h, a, t, sp, mode, **model.layer_shape)
     t_sp = t if sp else 1
-    embedding = s * b * h / t_sp if model.dropout else 0.0  # 1-byte dropout mask
+    embedding = s * b * h / t_sp if model.layer_shape["dropout"] else 0.0  # 1-byte dropout mask
     output = 4 * s * b * h / t_sp + 4 * s * b * vocab / t  # final norm, output input, fp32 logits
     per_chunk, per_stage, _, _ = _stage(model, p, v)
     if p == 1:

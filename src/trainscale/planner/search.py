@@ -26,7 +26,15 @@ from trainscale import _checks
 from trainscale.checkpointing import RECOMPUTE
 from trainscale.context import cp_beats_tp_local_tokens, cp_hiding_threshold_tokens
 from trainscale.memory import USABLE_MEMORY
-from trainscale.planner.inputs import Cluster, Model, _check_inputs, _Problem, _recompute, _zero
+from trainscale.planner.inputs import (
+    Cluster,
+    Model,
+    _check_inputs,
+    _Problem,
+    _recompute,
+    _software,
+    _zero,
+)
 from trainscale.planner.layout import (
     KERNEL_EFFICIENCY,
     MAX_BUBBLE,
@@ -36,6 +44,7 @@ from trainscale.planner.layout import (
     _Shape,
 )
 from trainscale.planner.step import _evaluate
+from trainscale.software import Software
 
 
 def _subset(name: str, values: object, convert, allowed: str) -> tuple:
@@ -77,7 +86,7 @@ def plan(
     global_batch: int,
     *,
     micro_batches: Sequence[int] = (1, 2, 4, 8),
-    zero_stages: Sequence[int] = (0, 1, 2, 3),
+    zero_stages: Sequence[int] | None = None,
     recompute: Sequence[str] = RECOMPUTE,
     sequence_parallel: bool = True,
     virtual_stages: int = 1,
@@ -85,12 +94,18 @@ def plan(
     usable_memory: float = USABLE_MEMORY,
     max_bubble: float = MAX_BUBBLE,
     schedule: str = "1f1b",
-    fp32_gradients: bool = False,
+    software: Software | str | None = None,
     context_parallel: Sequence[int] | None = None,
     expert_parallel: Sequence[int] | None = None,
 ) -> list[Layout]:
     """Every layout of ``cluster.gpus`` GPUs, estimated and ranked.
 
+    ``software`` is the stack (:class:`trainscale.software.Software` or a name of
+    :data:`trainscale.software.SOFTWARE`; ``None``: :data:`trainscale.software.DEFAULT_SOFTWARE`,
+    the planner's assumptions before the software was an input): its attention kernel,
+    dropout, gradient dtype, the ZeRO stages and interleaving its engine accepts (layouts
+    it refuses are ``invalid``, with its reason) and what it overlaps. ``zero_stages``
+    ``None`` tries every stage the software offers.
     ``context_parallel`` and ``expert_parallel`` are the CP and EP degrees to try;
     ``None`` tries those that can help (:func:`context_parallel_degrees`,
     :func:`expert_parallel_degrees`): for a dense model with short sequences only 1.
@@ -108,8 +123,15 @@ def plan(
     ``invalid`` ones last. Each entry is what :func:`evaluate` returns.
     """
     batch = _check_inputs(model, cluster, global_batch)
+    stack = _software(software)
+    model = model.under(stack)
     micros = _subset("micro_batches", micro_batches, _micro, "whole numbers >= 1")
-    stages = _subset("zero_stages", zero_stages, _zero, "ZeRO stages 0-3")
+    stages = _subset(
+        "zero_stages",
+        stack.zero_stages if zero_stages is None else zero_stages,
+        _zero,
+        "ZeRO stages 0-3",
+    )
     modes = _subset("recompute", recompute, _recompute, f"modes from {RECOMPUTE}")
     opt = _options(
         sequence_parallel,
@@ -119,11 +141,11 @@ def plan(
         max_bubble,
         "point",
         schedule,
-        fp32_gradients,
+        software=stack,
     )
     gpus = cluster.gpus
     cps = (
-        context_parallel_degrees(model, cluster)
+        context_parallel_degrees(model, cluster, stack)
         if context_parallel is None
         else _subset("context_parallel", context_parallel, _micro, "whole numbers >= 1")
     )
@@ -161,9 +183,11 @@ def plan(
     return sorted(layouts, key=_sort_key)
 
 
-def context_parallel_degrees(model: Model, cluster: Cluster) -> tuple[int, ...]:
+def context_parallel_degrees(
+    model: Model, cluster: Cluster, software: Software | str | None = None
+) -> tuple[int, ...]:
     """The CP degrees :func:`plan` tries by default: 1, and each power of two ``c`` up to
-    the GPU count for which CP can help.
+    the GPU count for which CP can help, on ``software`` (as :func:`plan` takes it).
 
     CP needs a fused attention kernel (ring attention keeps the online softmax's
     running sums, never the ``s x s`` scores) and ``2 c`` equal chunks of the sequence
@@ -182,7 +206,7 @@ def context_parallel_degrees(model: Model, cluster: Cluster) -> tuple[int, ...]:
         raise ValueError(f"model must be a planner.Model, got {type(model).__name__}")
     if not isinstance(cluster, Cluster):
         raise ValueError(f"cluster must be a planner.Cluster, got {type(cluster).__name__}")
-    if not model.fused_attention:
+    if not model.under(_software(software)).fused_attention:
         return (1,)
     share = (model.kv_heads or model.heads) / model.heads
     peak, link = cluster.peak_flops, cluster.inter_node_bandwidth

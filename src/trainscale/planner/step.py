@@ -34,8 +34,7 @@ Step time (:func:`evaluate` lists every term), two models
       the bytes a layer keeps (Korthikanti et al.'s count, chapter 09);
     * overlap achieved (:data:`OVERLAP`): the share of the data-parallel traffic, and
       of the backward's tensor-parallel collectives, that hides under compute (for a
-      published run whose software's code shows it, that share:
-      :data:`DOCUMENTED_OVERLAP`);
+      stack whose code shows it, that share: :meth:`trainscale.software.Software.overlap_shares`);
     * the optimiser step, memory bound: :data:`OPTIMISER_STEP_BYTES` for each
       parameter a GPU updates (Megatron-LM's passes: gradient norm, Adam, the copy to
       16-bit weights, zeroing the gradients);
@@ -54,7 +53,8 @@ Step time (:func:`evaluate` lists every term), two models
     * a gradient reduce-scatter after every micro-batch (ZeRO-2) keeps running under
       the next micro-batch's forward, which 1F1B starts right after a backward
       (:func:`_data_parallel_seconds`);
-    * gradients in fp32 (``fp32_gradients``, :data:`FP32_GRADIENTS`: Llama 3 accumulates
+    * gradients in fp32 (the software's ``gradient_reduce_dtype``, :data:`FP32_GRADIENTS`:
+      Llama 3 accumulates
       and reduce-scatters them in fp32, section 3.3.2): 4 bytes per gradient in memory
       and on the wire;
     * the interleaving depth, searched per layout by :func:`estimate_run`
@@ -74,7 +74,15 @@ from trainscale.checkpointing import selective_recompute_flops
 from trainscale.compute import FLOPS_PER_PARAM_PER_TOKEN, mfu
 from trainscale.memory import BYTES_PER_PARAM, GIB, OPTIMIZER_STATE, USABLE_MEMORY
 from trainscale.pipeline import bubble, bubble_zb_h1
-from trainscale.planner.inputs import Cluster, Model, _check_inputs, _Problem, _recompute, _zero
+from trainscale.planner.inputs import (
+    Cluster,
+    Model,
+    _check_inputs,
+    _Problem,
+    _recompute,
+    _software,
+    _zero,
+)
 from trainscale.planner.kernels import _layer_times, _roofline
 from trainscale.planner.layout import (
     _SEVERITY,
@@ -96,6 +104,7 @@ from trainscale.planner.traffic import (
     _zero3_extra,
     _zero3_prefetch,
 )
+from trainscale.software import Software
 
 _OPTIMISER_BYTES = sum(BYTES_PER_PARAM[part] for part in OPTIMIZER_STATE)  # 12 per parameter
 
@@ -120,6 +129,7 @@ def _evaluate(problem: _Problem, shape: _Shape, opt: _Options) -> Layout:
     zero, mode, b = shape.zero_stage, shape.recompute, shape.micro_batch
     v = opt.virtual_stages if p > 1 else 1  # without a pipeline there is nothing to interleave
     notes = _parallel_notes(model, t, d, c, ep, opt.sequence_parallel) if c > 1 or ep > 1 else []
+    notes += opt.software.layout_problems(p, v, zero)
     if model.heads % t:
         notes.append(f"TP {t} does not divide the {model.heads} attention heads")
     if not _chunks_fit(model.layers, p, v):
@@ -145,11 +155,10 @@ def _evaluate(problem: _Problem, shape: _Shape, opt: _Options) -> Layout:
 
     # Memory on the fullest stage.
     _, per_stage, imbalance, stage_total = _stage(model, p, v)
-    state, per_gpu = _model_state(
-        model, per_stage, stage_total, t, d, c, ep, zero, opt.fp32_gradients
-    )
+    fp32 = opt.software.gradient_reduce_dtype == "fp32"
+    state, per_gpu = _model_state(model, per_stage, stage_total, t, d, c, ep, zero, fp32)
     dp_ranks = d * c  # the ranks that hold the same dense parameters
-    grad_bytes = 4 if opt.fp32_gradients else 2
+    grad_bytes = opt.software.gradient_bytes
     activations = _activations(model, t, p, b, m, mode, opt.sequence_parallel, v, c)
     memory_parts = {**state, "activations": activations}
     memory = sum(memory_parts.values())
@@ -178,8 +187,11 @@ def _evaluate(problem: _Problem, shape: _Shape, opt: _Options) -> Layout:
         else:
             recompute = 0.0
     overlap = 1.0 if opt.efficiency is not None else OVERLAP[opt.band]
-    tensor_overlap = overlap if opt.overlap_tensor is None else opt.overlap_tensor
-    data_overlap = overlap if opt.overlap_data is None else opt.overlap_data
+    documented = opt.software.overlap_shares(p, zero)  # what the stack's code shows
+    if opt.overlap is not None:  # a share pinned by the caller replaces both
+        documented = (opt.overlap, opt.overlap)
+    data_overlap = overlap if documented[0] is None else documented[0]
+    tensor_overlap = overlap if documented[1] is None else documented[1]
 
     # Tensor parallelism: 2 all-reduces forward, 2 backward (and 2 more when the
     # forward is recomputed), of s x b x h 16-bit values, per layer and micro-batch.
@@ -310,7 +322,7 @@ def evaluate(
     usable_memory: float = USABLE_MEMORY,
     max_bubble: float = MAX_BUBBLE,
     schedule: str = "1f1b",
-    fp32_gradients: bool = False,
+    software: Software | str | None = None,
     context_parallel: int = 1,
     expert_parallel: int = 1,
 ) -> Layout:
@@ -363,6 +375,7 @@ def evaluate(
     or DP and the micro-batch do not divide the batch.
     """
     batch = _check_inputs(model, cluster, global_batch)
+    stack = _software(software)
     t = _checks.count("tp", tp, minimum=1)
     p = _checks.count("pp", pp, minimum=1)
     d = _checks.count("dp", dp, minimum=1)
@@ -384,7 +397,7 @@ def evaluate(
         max_bubble,
         "point",
         schedule,
-        fp32_gradients,
+        software=stack,
     )
     shape = _Shape(tp=t, pp=p, dp=d, zero_stage=zero, recompute=mode, micro_batch=b, cp=c, ep=ep)
-    return _evaluate(_Problem(model, cluster, batch), shape, opt)
+    return _evaluate(_Problem(model.under(stack), cluster, batch), shape, opt)

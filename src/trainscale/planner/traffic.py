@@ -42,7 +42,8 @@ from trainscale.sharding import ZERO_COLLECTIVES, zero_collective_bytes
 
 OVERLAP = {"low": 0.0, "point": 0.5, "high": 1.0}
 """Share of the communication that *can* hide under compute that does hide, by band
-(where a run's software documents it, :data:`DOCUMENTED_OVERLAP` replaces the band):
+(where the software documents it, :meth:`trainscale.software.Software.overlap_shares`
+replaces the band):
 data-parallel traffic under the backward (and ZeRO-3's gathers under the forward),
 and the backward's tensor-parallel collectives under the weight-gradient GEMMs
 (Korthikanti et al. section 6.2 overlap them; their Table 5 runs do not overlap the
@@ -221,7 +222,7 @@ def _parallel_notes(model: Model, t: int, d: int, c: int, ep: int, sp: bool) -> 
     notes = []
     if ep > 1 and t > 1 and not sp:
         notes.append(f"EP {ep} with TP {t} needs sequence parallelism")
-    if c > 1 and not model.fused_attention:
+    if c > 1 and not model.layer_shape["fused_attention"]:
         notes.append(f"CP {c} needs a fused (ring) attention kernel")
     if model.seq_len % (2 * c):
         notes.append(f"CP {c} does not split the {model.seq_len} tokens into {2 * c} chunks")
