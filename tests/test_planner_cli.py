@@ -110,7 +110,12 @@ def example() -> SimpleNamespace:
     """The 70B worked example, planned once: the request, the best shapes, the CLI's output."""
     argv = ["--model", "70b", "--top", "3", "--laptop", "8"]
     request = planner_cli.parse(argv)
-    layouts = planner.plan(request.model, request.cluster, request.global_batch)
+    assert request.virtual_stages == planner.INTERLEAVING  # every depth, by default
+    layouts = planner.plan(
+        *(request.model, request.cluster, request.global_batch),
+        virtual_stages=request.virtual_stages,
+        software=request.software,
+    )
     lines, fits = planner_cli.report(request)
     best = planner.top_layouts(layouts, 3)
     return SimpleNamespace(
@@ -137,6 +142,12 @@ def test_the_report_lists_the_planners_best_shapes_and_commands(example):
         low, high = planner.mfu_range(example.request.model, example.request.cluster, layout)
         assert f"{layout.mfu:.1%} ({low:.1%}-{high:.1%})" in example.text
     assert f"{len(example.layouts):,} layouts tried" in example.text
+    counts = planner.verdict_counts(example.layouts)
+    # 70B on 64 H100s, every depth: each rule's rejections, counted and printed
+    assert counts["invalid"] > 0 and counts["out of memory"] > counts["fits"] > 0
+    rules = ", ".join(f"{counts[v]:,} {v}" for v in planner.VERDICTS[1:])
+    assert f"rejected: {rules}" in example.text
+    assert any(lay.virtual_stages > 1 for lay in example.best)  # an interleaved layout leads
     cluster, laptop = _commands(example.text)
     assert cluster.startswith("torchrun --nnodes=8 --nproc-per-node=8 --rdzv-backend=c10d")
     assert "--rdzv-endpoint=$HEAD_NODE:29500" in cluster
@@ -270,3 +281,24 @@ def test_the_software_is_a_flag_and_its_fields_can_be_changed(capsys):
     text = "".join(planner_cli.parser().format_help().split())  # wrapped at hyphens
     assert all(name in text for name in planner.SOFTWARE)
     assert "--no-dropout" in text and "--gradient-reduce-dtype" in text
+
+
+def test_405b_on_16384_h100s_finds_metas_shape_among_the_top_five():
+    """Llama 3 405B's preset, as the command line plans it (every interleaving depth, on
+    Meta's stack): TP 8 x PP 16 x DP 128, the shape Meta trained with, is in the top five."""
+    llama = planner_cli.preset_name("Llama 3 405B on 16,384 H100s, 8K tokens")
+    request = planner_cli.parse(["--model", llama])
+    layouts = planner.plan(
+        *(request.model, request.cluster, request.global_batch),
+        virtual_stages=request.virtual_stages,
+        software=request.software,
+    )
+    top = planner.top_layouts(layouts, 5)
+    for place, lay in enumerate(top, start=1):
+        print(place, lay.name, lay.settings, f"V {lay.virtual_stages}, MFU {lay.mfu:.1%}")
+    assert (8, 16, 128) in [lay.shape for lay in top]
+    # one interleaving depth, the old default, leaves it out of the table
+    flat = planner.plan(
+        *(request.model, request.cluster, request.global_batch), software=request.software
+    )
+    assert (8, 16, 128) not in [lay.shape for lay in planner.top_layouts(flat, 5)]

@@ -27,7 +27,8 @@ The package follows chapter 13's sections; each module imports only those above 
 * :mod:`~trainscale.planner.step`: one layout's step time, every term with its source;
 * :mod:`~trainscale.planner.search`: every layout of a cluster, ranked;
 * :mod:`~trainscale.planner.calibration`: the planner against published runs;
-* :mod:`~trainscale.planner.commands`, :mod:`~trainscale.planner.cli` and
+* :mod:`~trainscale.planner.commands`, :mod:`~trainscale.planner.arguments`,
+  :mod:`~trainscale.planner.cli` and
   ``__main__``: ``python -m trainscale.planner``, which prints the best layouts and the
   ``torchrun`` command that trains one.
 

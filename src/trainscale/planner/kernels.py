@@ -310,6 +310,7 @@ def tile_overhead_range() -> tuple[float, float]:
     return 0.0, round(_bisect(gap, 0.0, 8.0, steps=16), 2)
 
 
+@functools.lru_cache(maxsize=8192)  # many layouts share a stage (the ZeRO stages, DP)
 def _roofline(
     model,
     cluster,

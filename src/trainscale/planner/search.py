@@ -77,6 +77,7 @@ def _sort_key(layout: Layout) -> tuple:
         layout.zero_stage,
         RECOMPUTE.index(layout.recompute),
         layout.micro_batch,
+        layout.virtual_stages,
     )
 
 
@@ -89,7 +90,7 @@ def plan(
     zero_stages: Sequence[int] | None = None,
     recompute: Sequence[str] = RECOMPUTE,
     sequence_parallel: bool = True,
-    virtual_stages: int = 1,
+    virtual_stages: int | Sequence[int] = 1,
     efficiency: float | None = None,
     usable_memory: float = USABLE_MEMORY,
     max_bubble: float = MAX_BUBBLE,
@@ -133,16 +134,19 @@ def plan(
         "ZeRO stages 0-3",
     )
     modes = _subset("recompute", recompute, _recompute, f"modes from {RECOMPUTE}")
-    opt = _options(
-        sequence_parallel,
-        virtual_stages,
-        efficiency,
-        usable_memory,
-        max_bubble,
-        "point",
-        schedule,
-        software=stack,
-    )
+    if isinstance(virtual_stages, int | float) and not isinstance(virtual_stages, bool):
+        depths: tuple[int, ...] = (_micro("virtual_stages", virtual_stages),)
+    else:
+        depths = stack.depths_for(
+            _subset("virtual_stages", virtual_stages, _micro, "whole numbers >= 1")
+        )
+    options = {
+        v: _options(
+            *(sequence_parallel, v, efficiency, usable_memory, max_bubble, "point", schedule),
+            software=stack,
+        )
+        for v in depths
+    }
     gpus = cluster.gpus
     cps = (
         context_parallel_degrees(model, cluster, stack)
@@ -168,12 +172,13 @@ def plan(
                 cp=c,
                 ep=ep,
             ),
-            opt,
+            options[v],
         )
         for t in _divisors(gpus)
         for c in cps
         if (gpus // t) % c == 0
         for p in _divisors(gpus // (t * c))
+        for v in (depths if p > 1 else depths[:1])
         for ep in eps
         if (gpus // (t * c * p)) % ep == 0
         for zero in stages

@@ -34,11 +34,18 @@ one batched GEMM (:func:`_layer_times_at`), and MFU counts the active parameters
 
 from __future__ import annotations
 
+import functools
+
 from trainscale.collectives import ring_factor
 from trainscale.context import ring_bytes_per_rank
 from trainscale.experts import ALL_TO_ALLS_PER_LAYER, all_to_all_bytes_per_rank
 from trainscale.planner.inputs import Model
-from trainscale.sharding import ZERO_COLLECTIVES, zero_collective_bytes
+from trainscale.sharding import ZERO_COLLECTIVES
+from trainscale.sharding import zero_collective_bytes as _zero_collective_bytes
+
+zero_collective_bytes = functools.lru_cache(maxsize=8192)(_zero_collective_bytes)
+""":func:`trainscale.sharding.zero_collective_bytes`, remembered: the search asks for the same
+stage's bytes once per ZeRO stage, micro-batch and recomputation mode (read only)."""
 
 OVERLAP = {"low": 0.0, "point": 0.5, "high": 1.0}
 """Share of the communication that *can* hide under compute that does hide, by band

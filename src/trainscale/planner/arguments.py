@@ -1,0 +1,288 @@
+"""The command line's arguments: model presets, flags, and the :class:`Request` they make.
+
+:func:`presets` names every model the command line knows (the book's 70B example and each
+published run, :data:`trainscale.published.published_runs`); :func:`parser` is the
+``argparse`` parser of ``python -m trainscale.planner``; :func:`parse` turns a command line
+into a :class:`Request` (the model, the cluster, the global batch and the software stack),
+raising ``ValueError`` that names the flag at fault.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from trainscale import _checks, planner
+from trainscale.published import GPUS, PublishedRun, published_runs
+from trainscale.software import DEFAULT_SOFTWARE, GRADIENT_REDUCE_DTYPES, SOFTWARE, Software
+
+DEFAULT_GPU = "H100-80GB"
+"""The GPU of the book's worked example (:data:`trainscale.planner.EXAMPLE_CLUSTER`),
+and of a model given by its sizes unless ``--gpu`` says otherwise."""
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A model with the cluster and global batch (sequences) it is planned for by default."""
+
+    title: str
+    model: planner.Model
+    gpu: str
+    nodes: int
+    inter_node_bandwidth: float
+    global_batch: int
+    run: PublishedRun | None = None
+    """The published run the preset comes from, if any."""
+    software: Software = DEFAULT_SOFTWARE
+    """The stack it is planned on by default: a published run's own."""
+
+
+def preset_name(title: str) -> str:
+    """A preset's name on the command line: ``"GPT 1.7B on 32 A100s"`` becomes
+    ``"gpt-1.7b-on-32-a100s"``."""
+    return re.sub(r"[^a-z0-9.]+", "-", title.lower().replace(",", "")).strip("-")
+
+
+def presets() -> dict[str, Preset]:
+    """Every preset by name: the book's 70B worked example, then each published run."""
+    example = planner.EXAMPLE_CLUSTER
+    found = {
+        "70b": Preset(
+            "the book's 70B worked example (chapter 13)",
+            planner.EXAMPLE_MODEL,
+            DEFAULT_GPU,
+            example.nodes,
+            example.inter_node_bandwidth,
+            planner.EXAMPLE_GLOBAL_BATCH,
+        )
+    }
+    for run in published_runs():
+        cluster = planner.published_cluster(run)
+        found[preset_name(run.name)] = Preset(
+            run.name,
+            planner.published_model(run),
+            run.gpu,
+            cluster.nodes,
+            cluster.inter_node_bandwidth,
+            run.global_batch,
+            run,
+            run.software,
+        )
+    return found
+
+
+# --------------------------------------------------------------------------- arguments
+
+
+MODEL_FLAGS = {
+    "params": "parameters in total, embeddings included",
+    "layers": "transformer layers",
+    "hidden": "hidden size (model width)",
+    "heads": "attention heads",
+    "seq_len": "tokens per sequence",
+    "vocab": "vocabulary size",
+}
+"""The model's sizes as flags (``--seq-len`` for ``seq_len``), each a field of
+:class:`trainscale.planner.Model`."""
+
+
+def _flag(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m trainscale.planner``."""
+    p = argparse.ArgumentParser(
+        prog="python -m trainscale.planner",
+        description=(
+            "Rank the TP x PP x DP layouts of a model on a cluster (chapter 13's planner)"
+            " and print the torchrun command that trains the best one."
+        ),
+    )
+    add = p.add_argument
+    add("--model", default=None, help="a preset (see --list-models); sizes below override it")
+    for field, meaning in MODEL_FLAGS.items():
+        add(_flag(field), type=float, default=None, help=meaning)
+    add("--gpu", default=None, help=f"one of {', '.join(GPUS)} (default: {DEFAULT_GPU})")
+    example = planner.EXAMPLE_CLUSTER
+    add(
+        "--nodes",
+        type=float,
+        default=None,
+        help=f"machines (default: the preset's, or {example.nodes})",
+    )
+    add("--gpus-per-node", type=float, default=None, help="GPUs per machine (default: the GPU's)")
+    add(
+        "--inter-node-bandwidth",
+        type=float,
+        default=None,
+        help=f"bytes/s each GPU sends to other nodes (default: the preset's, or"
+        f" {example.inter_node_bandwidth:g})",
+    )
+    add(
+        "--global-batch",
+        type=float,
+        default=None,
+        help=f"sequences per optimiser step (default: the preset's, or"
+        f" {planner.EXAMPLE_GLOBAL_BATCH})",
+    )
+    add(
+        "--software",
+        choices=tuple(SOFTWARE),
+        default=None,
+        metavar="NAME",
+        help=f"the training stack, one of {', '.join(SOFTWARE)} (default: the preset's,"
+        f" or {DEFAULT_SOFTWARE.name}: the planner's assumptions)",
+    )
+    switch = argparse.BooleanOptionalAction
+    add(
+        "--fused-attention",
+        action=switch,
+        default=None,
+        help="the stack's attention kernel is fused (FlashAttention-style), or not",
+    )
+    add("--dropout", action=switch, default=None, help="the layers keep dropout masks, or not")
+    add(
+        "--gradient-reduce-dtype",
+        choices=GRADIENT_REDUCE_DTYPES,
+        default=None,
+        help="dtype the gradients are accumulated and reduced in (default: the software's)",
+    )
+    depths = ",".join(map(str, planner.INTERLEAVING))
+    add(
+        "--virtual-stages",
+        default=None,
+        metavar="V[,V...]",
+        help=f"interleaving depths (model chunks per GPU) to search (default: {depths})",
+    )
+    add("--top", type=int, default=5, metavar="K", help="list K layouts (default: 5)")
+    add(
+        "--laptop",
+        type=int,
+        default=None,
+        metavar="N",
+        help="also print the best layout scaled down to a tiny model on N CPU processes",
+    )
+    add("--list-models", action="store_true", help="list the presets and stop")
+    return p
+
+
+@dataclass(frozen=True)
+class Request:
+    """What to plan: a model, a cluster of ``gpu``, a global batch in sequences."""
+
+    model: planner.Model
+    cluster: planner.Cluster
+    gpu: str
+    global_batch: int
+    top: int
+    laptop: int | None
+    published: PublishedRun | None = None
+    """The published run asked for, unchanged by any flag (its own model, cluster, batch)."""
+    software: Software = DEFAULT_SOFTWARE
+    """The stack to plan on (a preset of :data:`trainscale.software.SOFTWARE`, maybe changed)."""
+    virtual_stages: tuple[int, ...] = planner.INTERLEAVING
+    """The interleaving depths searched."""
+
+
+SOFTWARE_FLAGS = ("fused_attention", "dropout", "gradient_reduce_dtype")
+"""The fields of :class:`trainscale.software.Software` a flag changes (``--no-dropout``)."""
+
+
+def _software(args: argparse.Namespace, preset: Preset | None) -> Software:
+    """The preset's software (or ``--software``'s), with the fields the flags change."""
+    base = SOFTWARE[args.software] if args.software else (preset.software if preset else None)
+    changes = {f: getattr(args, f) for f in SOFTWARE_FLAGS if getattr(args, f) is not None}
+    return (base or DEFAULT_SOFTWARE).replace(**changes)
+
+
+def _model(args: argparse.Namespace, preset: Preset | None) -> planner.Model:
+    """The preset's model with the sizes given as flags, checked under the flags' names."""
+    given = {f: getattr(args, f) for f in MODEL_FLAGS if getattr(args, f) is not None}
+    if preset is None and len(given) < len(MODEL_FLAGS):
+        missing = [_flag(f) for f in MODEL_FLAGS if f not in given]
+        raise ValueError(f"without --model, give every size: {', '.join(missing)} missing")
+    sizes = {f: _checks.count(_flag(f), value, minimum=1) for f, value in given.items()}
+    merged = {f: getattr(preset.model, f) for f in MODEL_FLAGS} if preset else {}
+    merged.update(sizes)
+    if merged["hidden"] % merged["heads"]:
+        raise ValueError(
+            f"--hidden must be a multiple of --heads={merged['heads']}, got {merged['hidden']}"
+        )
+    tied = preset.model.tied_embeddings if preset else False
+    embedding = merged["vocab"] * merged["hidden"] * (1 if tied else 2)
+    if merged["params"] <= embedding:
+        raise ValueError(
+            f"--params must exceed the {embedding:,} parameters of the embedding and output"
+            f" layers (--vocab x --hidden, twice unless tied), got {merged['params']:,}"
+        )
+    return dataclasses.replace(preset.model, **sizes) if preset else planner.Model(**sizes)
+
+
+def _cluster(args: argparse.Namespace, preset: Preset | None) -> tuple[planner.Cluster, str]:
+    """The cluster: the preset's (or the worked example's), with the flags given."""
+    gpu = args.gpu or (preset.gpu if preset else DEFAULT_GPU)
+    _checks.choice("--gpu", gpu, tuple(GPUS))
+    bandwidth = args.inter_node_bandwidth
+    if bandwidth is None:
+        bandwidth = (
+            preset.inter_node_bandwidth if preset else planner.EXAMPLE_CLUSTER.inter_node_bandwidth
+        )
+    settings = planner.node_settings(gpu, _checks.positive("--inter-node-bandwidth", bandwidth))
+    if args.gpus_per_node is not None:
+        settings["gpus_per_node"] = _checks.count("--gpus-per-node", args.gpus_per_node, minimum=1)
+    default = preset.nodes if preset else planner.EXAMPLE_CLUSTER.nodes
+    nodes = args.nodes if args.nodes is not None else default
+    return planner.Cluster(nodes=_checks.count("--nodes", nodes, minimum=1), **settings), gpu
+
+
+def _depths(text: str | None) -> tuple[int, ...]:
+    """``--virtual-stages``: comma-separated whole numbers >= 1 (``None``: every depth of
+    :data:`trainscale.planner.INTERLEAVING`)."""
+    if text is None:
+        return planner.INTERLEAVING
+    try:
+        values = [float(part) for part in text.split(",")]
+    except ValueError:
+        raise ValueError(
+            f"--virtual-stages must be whole numbers >= 1 separated by commas, got {text!r}"
+        ) from None
+    return tuple(dict.fromkeys(_checks.count("--virtual-stages", v, minimum=1) for v in values))
+
+
+def parse(argv: Sequence[str] | None = None) -> Request | None:
+    """The :class:`Request` the command line asks for (``None`` for ``--list-models``).
+
+    A bad value raises ``ValueError`` naming its flag; an unknown flag ends the
+    program as ``argparse`` does (exit status 2)."""
+    args = parser().parse_args(argv)
+    known = presets()
+    if args.list_models:
+        return None
+    if args.model is not None and args.model not in known:
+        raise ValueError(f"--model must be one of --list-models' names, got {args.model!r}")
+    preset = known[args.model] if args.model else None
+    model = _model(args, preset)
+    cluster, gpu = _cluster(args, preset)
+    batch = (
+        args.global_batch
+        if args.global_batch is not None
+        else (preset.global_batch if preset else planner.EXAMPLE_GLOBAL_BATCH)
+    )
+    batch = _checks.count("--global-batch", batch, minimum=1)
+    top = _checks.count("--top", args.top, minimum=1)
+    laptop = None if args.laptop is None else _checks.count("--laptop", args.laptop, minimum=1)
+    stack = _software(args, preset)
+    depths = _depths(args.virtual_stages)
+    run = preset.run if preset else None
+    if run and (model, cluster, batch, stack) != (
+        preset.model,
+        planner.published_cluster(run),
+        run.global_batch,
+        run.software,
+    ):
+        run = None  # a flag changed the run: the published figures no longer apply
+    return Request(model, cluster, gpu, batch, top, laptop, run, stack, depths)
