@@ -183,7 +183,34 @@ def test_zero_0_replicates_and_interleaving_asks_for_its_schedule(example):
 
 def test_nothing_fits_says_so_with_status_1(capsys):
     assert planner_cli.main(["--model", "70b", "--nodes", "1", "--gpus-per-node", "1"]) == 1
-    assert "no layout fits" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    # one GPU: the nearest layout runs out of memory, and more GPUs would help
+    assert "no layout fits. The nearest, TP 1 x PP 1 x DP 1" in out
+    assert "out of memory: " in out and "more GPUs (--nodes)" in out
+
+
+def test_a_batch_too_small_for_the_pipeline_names_the_bubble_not_the_gpus(capsys):
+    argv = ["--model", "70b", "--global-batch", "3", "--virtual-stages", "1"]
+    assert planner_cli.main(argv) == 1
+    out = capsys.readouterr().out
+    # 3 sequences: DP 1 or 3; DP 1 leaves TP 8 x PP 8 with 3 micro-batches, bubble
+    # (8 - 1) / (3 + 8 - 1) = 70 % of the busy time, 68 % of the step as priced
+    assert "The nearest, TP 8 x PP 8 x DP 1" in out
+    assert "bubble too large: pipeline idle 68% of the step with 3 micro-batches" in out
+    assert "a larger --global-batch" in out and "add GPUs" not in out
+    # with interleaving (the default), V 8 shrinks the bubble and 12 layouts fit (the
+    # capstone runs none of them: 80 layers over 64 chunks), so no "nothing fits"
+    planner_cli.main(["--model", "70b", "--global-batch", "3"])
+    out = capsys.readouterr().out
+    assert "12 fit" in out and "no layout fits" not in out
+
+
+def test_more_gpus_than_any_layout_can_use_names_nodes(capsys):
+    assert planner_cli.main(["--model", "70b", "--nodes", "1e6"]) == 1
+    out = capsys.readouterr().out
+    # 1,024 (DP) x 64 (TP) x 82 (PP) x 1 (CP) = 5,373,952 < 8,000,000 GPUs
+    assert "--nodes: 8,000,000 GPUs are more than any layout can use, at most 5,373,952" in out
+    assert "layouts tried" not in out  # refused before the search
 
 
 def test_list_models(capsys):

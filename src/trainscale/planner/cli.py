@@ -32,7 +32,9 @@ change one field of it.
 
 from __future__ import annotations
 
+import re
 import sys
+from collections import Counter
 from collections.abc import Sequence
 
 from trainscale import planner
@@ -65,6 +67,7 @@ __all__ = [  # the command line's names, and those it re-exports from arguments 
     "DEFAULT_GPU",
     "LAPTOP_MODEL",
     "MODEL_FLAGS",
+    "REMEDIES",
     "SOFTWARE_FLAGS",
     "Preset",
     "Request",
@@ -83,6 +86,7 @@ __all__ = [  # the command line's names, and those it re-exports from arguments 
     "refusal",
     "rejections",
     "report",
+    "too_many_gpus",
     "train_flags",
 ]
 
@@ -192,13 +196,67 @@ def rejections(counts: dict[str, int]) -> str:
     return f"rejected: {rules}"
 
 
+REMEDIES = {
+    "out of memory": "more GPUs (--nodes), GPUs with more memory (--gpu) or shorter"
+    " sequences (--seq-len)",
+    "bubble too large": "more micro-batches per pipeline: a larger --global-batch, or"
+    " interleaving (--virtual-stages), or fewer pipeline stages (fewer GPUs per replica)",
+    "TP across nodes": "nodes with more GPUs (--gpus-per-node), or a model with heads that"
+    " split into a node's GPUs (--heads)",
+}
+"""What lifts each verdict that rejects a layout, named by the flags that change it."""
+
+
 def nothing_fits(request: Request, layouts: Sequence[planner.Layout]) -> list[str]:
-    """What ``main`` prints when no layout fits."""
-    return ["no layout fits: add GPUs, or shorten the sequences"]
+    """Why no layout fits, and what would help: the nearest layout (the fewest problems,
+    then the fastest) with each rule it breaks, its note and the flags that lift it; when
+    every layout breaks a rule of its own shape, the most common of them."""
+    usable = [lay for lay in layouts if lay.verdict != "invalid"]
+    if not usable:
+        notes = Counter(re.sub(r"[0-9][0-9,.]*", "N", lay.notes[0]) for lay in layouts)
+        rule, count = notes.most_common(1)[0]
+        example = next(
+            lay.notes[0] for lay in layouts if re.sub(r"[0-9][0-9,.]*", "N", lay.notes[0]) == rule
+        )
+        return [
+            f"no layout fits: every layout breaks a rule of its shape; the most common"
+            f" ({count:,} of {len(layouts):,}): {example}",
+            f"(--global-batch {request.global_batch:,} sequences on {request.cluster.gpus:,}"
+            " GPUs: check that the batch and the model's layers and heads can spread over them)",
+        ]
+    nearest = min(usable, key=lambda lay: (len(lay.problems), lay.step_seconds))
+    lines = [
+        f"no layout fits. The nearest, {nearest.name.replace(chr(215), 'x')}"
+        f" ({nearest.settings}, V {nearest.virtual_stages}), breaks:"
+    ]
+    notes = nearest.notes[-len(nearest.problems) :]  # one per problem, in the same order
+    for problem, note in zip(nearest.problems, notes, strict=True):
+        lines.append(f"  {problem}: {note}; would help: {REMEDIES.get(problem, 'see above')}")
+    return lines
+
+
+def too_many_gpus(request: Request) -> str | None:
+    """Why the cluster has more GPUs than any layout can use, if it has: DP at most the
+    global batch (one sequence per replica), TP at most the heads, PP at most the layers + 2
+    (:func:`trainscale.planner.memory._chunks_fit`), CP at most the degrees tried."""
+    model, cluster = request.model, request.cluster
+    cp = max(planner.context_parallel_degrees(model, cluster, request.software))
+    most = request.global_batch * model.heads * (model.layers + 2) * cp
+    if cluster.gpus <= most:
+        return None
+    return (
+        f"--nodes: {cluster.gpus:,} GPUs are more than any layout can use, at most"
+        f" {most:,} = --global-batch {request.global_batch:,} (DP) x --heads {model.heads}"
+        f" (TP) x (--layers {model.layers} + 2) (PP) x CP {cp}: use fewer nodes or a larger"
+        " global batch"
+    )
 
 
 def report(request: Request) -> tuple[list[str], bool]:
     """Everything ``main`` prints for ``request``, and whether it found a layout to run."""
+    crowded = too_many_gpus(request)
+    if crowded is not None:
+        return [*describe(request), "", crowded], False
     stack = request.software
     layouts = planner.plan(
         *(request.model, request.cluster, request.global_batch),
