@@ -19,7 +19,8 @@ def test_every_published_run_and_the_books_example_are_presets():
     assert found["70b"].global_batch == planner.EXAMPLE_GLOBAL_BATCH
     titles = {preset.title for preset in found.values()}
     assert {run.name for run in published_runs()} <= titles
-    assert len(found) == len(published_runs()) + 1  # no two runs share a name
+    # the book's example, the model shapes, and no two runs sharing a name
+    assert len(found) == len(published_runs()) + 1 + len(planner_cli.MODEL_PRESETS)
 
 
 def test_preset_names_are_the_titles_in_lower_case_words():
@@ -217,7 +218,8 @@ def test_list_models(capsys):
     assert planner_cli.main(["--list-models"]) == 0
     listed = capsys.readouterr().out.splitlines()
     assert listed[0].split()[0] == "70b"
-    assert len(listed) == len(published_runs()) + 1
+    assert [line.split()[0] for line in listed[1:5]] == list(planner_cli.MODEL_PRESETS)
+    assert len(listed) == len(published_runs()) + 1 + len(planner_cli.MODEL_PRESETS)
 
 
 @pytest.mark.slow  # a second Python
@@ -329,3 +331,52 @@ def test_405b_on_16384_h100s_finds_metas_shape_among_the_top_five():
         *(request.model, request.cluster, request.global_batch), software=request.software
     )
     assert (8, 16, 128) not in [lay.shape for lay in planner.top_layouts(flat, 5)]
+
+
+def test_a_full_shape_describes_mixtral_and_counts_its_parameters():
+    argv = "--layers 32 --hidden 4096 --heads 32 --kv-heads 8 --ffn 14336 --gated-mlp"
+    argv += " --experts 8 --experts-per-token 2 --vocab 32000 --seq-len 4096"
+    model = planner_cli.parse(argv.split()).model
+    # per layer 2 h^2 + 2 h (h/32) 8 + 8 experts x 3 h ffn = 33,554,432 + 8,388,608
+    # + 1,409,286,144 = 1,451,229,184; x 32 + 2 x 32,000 x 4,096 = 46,701,477,888
+    assert model.params == 46_701_477_888
+    assert (model.kv_heads, model.ffn_hidden, model.gated_mlp) == (8, 14336, True)
+    assert (model.experts, model.top_k) == (8, 2)
+    # Mixtral's count adds what the shape leaves out: the routers, 32 x 4,096 x 8 =
+    # 1,048,576, and the norms, 32 x 2 x 4,096 + 4,096 = 266,240: 1,314,816 in all
+    assert planner.MOE_MODEL.params - model.params == 1_314_816
+    assert planner.MOE_MODEL.active_params - model.active_params == 1_314_816
+
+
+def test_llama_and_mixtral_presets_carry_the_shapes_of_their_sources(capsys):
+    found = planner_cli.presets()
+    # Dubey et al. Table 3 and the model cards: 8,030,261,248, 70,553,706,496,
+    # 405,853,388,800 parameters (norms included)
+    counts = {name: found[name].model.params for name in ("llama-3-8b", "llama-3-70b")}
+    assert counts == {"llama-3-8b": 8_030_261_248, "llama-3-70b": 70_553_706_496}
+    big = found["llama-3-405b"].model
+    assert (big.params, big.layers, big.hidden, big.kv_heads) == (405_853_388_800, 126, 16384, 8)
+    assert found["llama-3-405b"].software is planner.SOFTWARE["meta-llama3"]
+    assert found["mixtral-8x7b"].model == planner.MOE_MODEL
+    assert planner_cli.main(["--list-models"]) == 0
+    listed = capsys.readouterr().out
+    assert "Llama 3 70B (arXiv 2407.21783, Table 3)" in listed
+    assert "Mixtral 8x7B (arXiv 2401.04088)" in listed
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--kv-heads", "5"], "--kv-heads must divide --heads=64, got 5"),
+        (["--experts-per-token", "2"], "--experts-per-token needs --experts"),
+        (
+            ["--experts", "8", "--experts-per-token", "9"],
+            "--experts-per-token must be in [1, --experts = 8]",
+        ),
+        (["--ffn", "0"], "--ffn must be"),
+    ],
+)
+def test_a_bad_shape_names_its_flag(argv, message):
+    with pytest.raises(ValueError) as error:
+        planner_cli.parse(["--model", "70b", *argv])
+    assert message in str(error.value)

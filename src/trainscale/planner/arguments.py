@@ -46,8 +46,41 @@ def preset_name(title: str) -> str:
     return re.sub(r"[^a-z0-9.]+", "-", title.lower().replace(",", "")).strip("-")
 
 
+def _llama3(layers: int, hidden: int, heads: int, ffn: int) -> planner.Model:
+    """A Llama 3 shape (Dubey et al. 2024, arXiv 2407.21783, Table 3: 8 key-value heads,
+    SwiGLU, a 128,256-token vocabulary, untied), 8,192 tokens per sequence (the main
+    pre-training stage), its parameters counted from the shape with the norms: 8,030,261,248,
+    70,553,706,496 and 405,853,388,800, the model cards' counts."""
+    h, kv, vocab = hidden, 8, 128_256
+    layer = 2 * h * h + 2 * h * (h // heads) * kv + 3 * h * ffn + 2 * h  # two norms
+    params = layers * layer + 2 * vocab * h + h  # embedding, output layer, final norm
+    return planner.Model(
+        *(params, layers, hidden, heads, 8192, vocab),
+        kv_heads=kv,
+        ffn_hidden=ffn,
+        gated_mlp=True,
+        dropout=False,
+    )
+
+
+MODEL_PRESETS = {
+    "llama-3-8b": ("Llama 3 8B (arXiv 2407.21783, Table 3)", _llama3(32, 4096, 32, 14_336), 1),
+    "llama-3-70b": ("Llama 3 70B (arXiv 2407.21783, Table 3)", _llama3(80, 8192, 64, 28_672), 8),
+    "llama-3-405b": (
+        "Llama 3 405B (arXiv 2407.21783, Table 3)",
+        _llama3(126, 16_384, 128, 53_248),
+        128,
+    ),
+    "mixtral-8x7b": ("Mixtral 8x7B (arXiv 2401.04088)", planner.MOE_MODEL, 8),
+}
+"""Model shapes by name: ``(title, model, nodes of 8 H100)``; the nodes (and the global
+batch, :data:`trainscale.planner.EXAMPLE_GLOBAL_BATCH` sequences) are an assumption of the
+command line, not the source's: change them with ``--nodes`` and ``--global-batch``."""
+
+
 def presets() -> dict[str, Preset]:
-    """Every preset by name: the book's 70B worked example, then each published run."""
+    """Every preset by name: the book's 70B worked example, the model shapes of
+    :data:`MODEL_PRESETS` (Llama 3 on Meta's stack), then each published run."""
     example = planner.EXAMPLE_CLUSTER
     found = {
         "70b": Preset(
@@ -59,6 +92,14 @@ def presets() -> dict[str, Preset]:
             planner.EXAMPLE_GLOBAL_BATCH,
         )
     }
+    for name, (title, model, nodes) in MODEL_PRESETS.items():
+        stack = SOFTWARE["meta-llama3"] if name.startswith("llama") else DEFAULT_SOFTWARE
+        found[name] = Preset(
+            f"{title}, on {nodes} node(s) of 8 H100 (assumed)",
+            *(model, DEFAULT_GPU, nodes, example.inter_node_bandwidth),
+            planner.EXAMPLE_GLOBAL_BATCH,
+            software=stack,
+        )
     for run in published_runs():
         cluster = planner.published_cluster(run)
         found[preset_name(run.name)] = Preset(
@@ -78,7 +119,7 @@ def presets() -> dict[str, Preset]:
 
 
 MODEL_FLAGS = {
-    "params": "parameters in total, embeddings included",
+    "params": "parameters in total, embeddings included (default: counted from the shape)",
     "layers": "transformer layers",
     "hidden": "hidden size (model width)",
     "heads": "attention heads",
@@ -106,6 +147,14 @@ def parser() -> argparse.ArgumentParser:
     add("--model", default=None, help="a preset (see --list-models); sizes below override it")
     for field, meaning in MODEL_FLAGS.items():
         add(_flag(field), type=float, default=None, help=meaning)
+    for field, (flag, meaning) in SHAPE_FLAGS.items():
+        add(flag, dest=field, type=float, default=None, help=meaning)
+    add(
+        "--gated-mlp",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="a gated (SwiGLU) MLP, three matrices instead of two",
+    )
     add("--gpu", default=None, help=f"one of {', '.join(GPUS)} (default: {DEFAULT_GPU})")
     example = planner.EXAMPLE_CLUSTER
     add(
@@ -199,19 +248,62 @@ def _software(args: argparse.Namespace, preset: Preset | None) -> Software:
     return (base or DEFAULT_SOFTWARE).replace(**changes)
 
 
+SHAPE_FLAGS = {
+    "kv_heads": ("--kv-heads", "key/value heads, grouped-query attention (default: --heads)"),
+    "ffn_hidden": ("--ffn", "width of the MLP's hidden layer (default: 4 x --hidden)"),
+    "experts": ("--experts", "experts per layer, a mixture of experts (default: dense)"),
+    "top_k": ("--experts-per-token", "experts each token goes through (default: 1)"),
+}
+"""The rest of a model's shape, as flags (optional): field of
+:class:`trainscale.planner.Model` -> (flag, meaning); ``--gated-mlp`` / ``--no-gated-mlp``
+(SwiGLU's three matrices) besides."""
+
+_FLAG_OF = {
+    **{f: _flag(f) for f in MODEL_FLAGS},
+    **{f: flag for f, (flag, _) in SHAPE_FLAGS.items()},
+}
+
+
+def shape_params(shape: dict) -> int:
+    """Parameters of a model of ``shape`` (the :class:`trainscale.planner.Model` fields):
+    per layer ``2 h^2`` (query, output) + ``2 h (h / heads) kv_heads`` (keys, values) + 2
+    (3 if gated) ``h x ffn`` matrices per expert; plus the embedding and output layer,
+    ``2 vocab h`` (once if tied). Biases and norms are left out (under 0.01 %)."""
+    h, heads = shape["hidden"], shape["heads"]
+    kv = shape.get("kv_heads") or heads
+    ffn = shape.get("ffn_hidden") or 4 * h
+    mlp = (3 if shape.get("gated_mlp") else 2) * h * ffn * (shape.get("experts") or 1)
+    layer = 2 * h * h + 2 * h * (h // heads) * kv + mlp
+    tied = 1 if shape.get("tied_embeddings") else 2
+    return shape["layers"] * layer + tied * shape["vocab"] * h
+
+
 def _model(args: argparse.Namespace, preset: Preset | None) -> planner.Model:
-    """The preset's model with the sizes given as flags, checked under the flags' names."""
-    given = {f: getattr(args, f) for f in MODEL_FLAGS if getattr(args, f) is not None}
-    if preset is None and len(given) < len(MODEL_FLAGS):
-        missing = [_flag(f) for f in MODEL_FLAGS if f not in given]
+    """The preset's model with the sizes given as flags, checked under the flags' names;
+    without a preset and without ``--params``, the parameters are :func:`shape_params`."""
+    fields = (*MODEL_FLAGS, *SHAPE_FLAGS)
+    given = {f: getattr(args, f) for f in fields if getattr(args, f) is not None}
+    sizes = {f: _checks.count(_FLAG_OF[f], value, minimum=1) for f, value in given.items()}
+    if args.gated_mlp is not None:
+        sizes["gated_mlp"] = args.gated_mlp
+    required = [f for f in MODEL_FLAGS if f != "params"]
+    if preset is None and any(f not in sizes for f in required):
+        missing = [_flag(f) for f in required if f not in sizes]
         raise ValueError(f"without --model, give every size: {', '.join(missing)} missing")
-    sizes = {f: _checks.count(_flag(f), value, minimum=1) for f, value in given.items()}
-    merged = {f: getattr(preset.model, f) for f in MODEL_FLAGS} if preset else {}
+    merged = {f: getattr(preset.model, f) for f in (*fields, "gated_mlp")} if preset else {}
     merged.update(sizes)
     if merged["hidden"] % merged["heads"]:
         raise ValueError(
             f"--hidden must be a multiple of --heads={merged['heads']}, got {merged['hidden']}"
         )
+    if merged.get("kv_heads") and merged["heads"] % merged["kv_heads"]:
+        raise ValueError(
+            f"--kv-heads must divide --heads={merged['heads']}, got {merged['kv_heads']}"
+        )
+    if merged.get("experts") is None and merged.get("top_k", 1) != 1:
+        raise ValueError("--experts-per-token needs --experts (a mixture of experts)")
+    if preset is None and "params" not in sizes:
+        sizes["params"] = merged["params"] = shape_params(merged)
     tied = preset.model.tied_embeddings if preset else False
     embedding = merged["vocab"] * merged["hidden"] * (1 if tied else 2)
     if merged["params"] <= embedding:
@@ -219,7 +311,13 @@ def _model(args: argparse.Namespace, preset: Preset | None) -> planner.Model:
             f"--params must exceed the {embedding:,} parameters of the embedding and output"
             f" layers (--vocab x --hidden, twice unless tied), got {merged['params']:,}"
         )
-    return dataclasses.replace(preset.model, **sizes) if preset else planner.Model(**sizes)
+    try:
+        return dataclasses.replace(preset.model, **sizes) if preset else planner.Model(**sizes)
+    except ValueError as error:  # a rule between fields: say it in the flags' names
+        text = str(error)
+        for field, flag in sorted(_FLAG_OF.items(), key=lambda pair: -len(pair[0])):
+            text = re.sub(rf"\b{field}\b", flag, text)
+        raise ValueError(text) from None
 
 
 def _cluster(args: argparse.Namespace, preset: Preset | None) -> tuple[planner.Cluster, str]:

@@ -11,11 +11,19 @@ command that runs the best one with the book's capstone, :mod:`trainscale.train`
         --seq-len 4096 --vocab 32000 --gpu H100-80GB --nodes 2 --global-batch 512
     python -m trainscale.planner --model 70b --laptop 8
     python -m trainscale.planner --model 70b --software torchtitan-fsdp2 --no-dropout
+    python -m trainscale.planner --layers 32 --hidden 4096 --heads 32 --kv-heads 8 \
+        --ffn 14336 --gated-mlp --experts 8 --experts-per-token 2 --vocab 32000 \
+        --seq-len 4096
 
 A model is a preset (``--list-models`` names them: the book's worked example
-``70b``, and every published run of :func:`trainscale.published.published_runs`,
-each with its own cluster and global batch) or explicit sizes; explicit flags
-also override a preset's. For a published run left as published, it also prints
+``70b``, Llama 3 8B, 70B and 405B and Mixtral 8x7B's shapes, and every published run of
+:func:`trainscale.published.published_runs`, each with its own cluster and global batch)
+or a full shape (``--layers``, ``--hidden``, ``--heads``, ``--kv-heads``, ``--ffn``,
+``--gated-mlp``, ``--vocab``, ``--seq-len``, ``--experts``, ``--experts-per-token``;
+``--params`` counted from it unless given); explicit flags also override a preset's.
+Every interleaving depth of :data:`trainscale.planner.INTERLEAVING` is searched unless
+``--virtual-stages`` says otherwise, and the report counts the layouts each rule
+rejected. For a published run left as published, it also prints
 the planner's estimate of the published layout, with its range
 (:func:`trainscale.planner.estimate_run`), next to the published MFU. ``--laptop N``
 scales the best layout down to a tiny model that runs on N gloo processes on a
@@ -42,6 +50,8 @@ from trainscale.memory import GIB
 from trainscale.planner.arguments import (
     DEFAULT_GPU,
     MODEL_FLAGS,
+    MODEL_PRESETS,
+    SHAPE_FLAGS,
     SOFTWARE_FLAGS,
     Preset,
     Request,
@@ -49,6 +59,7 @@ from trainscale.planner.arguments import (
     parser,
     preset_name,
     presets,
+    shape_params,
 )
 from trainscale.planner.commands import (
     LAPTOP_MODEL,
@@ -67,7 +78,9 @@ __all__ = [  # the command line's names, and those it re-exports from arguments 
     "DEFAULT_GPU",
     "LAPTOP_MODEL",
     "MODEL_FLAGS",
+    "MODEL_PRESETS",
     "REMEDIES",
+    "SHAPE_FLAGS",
     "SOFTWARE_FLAGS",
     "Preset",
     "Request",
@@ -86,6 +99,7 @@ __all__ = [  # the command line's names, and those it re-exports from arguments 
     "refusal",
     "rejections",
     "report",
+    "shape_params",
     "too_many_gpus",
     "train_flags",
 ]
@@ -122,9 +136,19 @@ def describe(request: Request) -> list[str]:
     """The lines that say what is planned."""
     m, c = request.model, request.cluster
     tokens = request.global_batch * m.seq_len
+    shape = []
+    if m.kv_heads and m.kv_heads != m.heads:
+        shape.append(f"{m.kv_heads} key-value heads")
+    if m.ffn_hidden or m.gated_mlp:
+        shape.append(f"{'gated ' if m.gated_mlp else ''}MLP of {m.ffn_hidden or 4 * m.hidden:,}")
+    if m.experts:
+        shape.append(
+            f"{m.experts} experts, {m.top_k} per token ({m.active_params / 1e9:.1f}B active)"
+        )
     return [
         f"model: {m.params / 1e9:,.1f}B parameters, {m.layers} layers, hidden {m.hidden:,},"
         f" {m.heads} heads, {m.seq_len:,} tokens per sequence, vocabulary {m.vocab:,}",
+        *([f"  shape: {', '.join(shape)}"] if shape else []),
         f"cluster: {c.nodes} node{'s' * (c.nodes != 1)} x {c.gpus_per_node} {request.gpu}"
         f" = {c.gpus:,} GPUs"
         f" of {c.memory_bytes / GIB:.1f} GiB, {c.inter_node_bandwidth / 1e9:g} GB/s per GPU"
