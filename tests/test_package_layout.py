@@ -54,6 +54,7 @@ PLANNER_ORDER: tuple[str, ...] = (
     "planner.__init__",
     "planner.commands",
     "planner.arguments",
+    "planner.explain",
     "planner.cli",
     "planner.__main__",
 )
@@ -70,6 +71,7 @@ package's names. A module of such a package with a test file of its own
 SHARED_TEST_FILES = {
     "planner.commands": "test_planner_cli.py",  # the commands the command line prints
     "planner.arguments": "test_planner_cli.py",  # the command line's flags and presets
+    "planner.explain": "test_planner_cli.py",  # --explain
     "planner.__main__": "test_planner_cli.py",  # runs python -m trainscale.planner
 }
 """Modules tested in another module's test file, and why."""

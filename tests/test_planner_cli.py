@@ -380,3 +380,41 @@ def test_a_bad_shape_names_its_flag(argv, message):
     with pytest.raises(ValueError) as error:
         planner_cli.parse(["--model", "70b", *argv])
     assert message in str(error.value)
+
+
+def test_explain_says_why_a_layout_ranks_where_it_does_and_what_limits_it(example):
+    lines, _ = planner_cli.report(planner_cli.parse(["--model", "70b", "--explain", "1,1,64"]))
+    text = "\n".join(lines)
+    shapes = [lay.shape for lay in planner.top_layouts(example.layouts, len(example.layouts))]
+    place = shapes.index((1, 1, 64)) + 1  # pure data parallelism over 64 GPUs
+    assert f"explain TP 1 x PP 1 x DP 64:\n  its shape ranks {place} of {len(shapes)}" in text
+    # no TP: the 70B model's state needs ZeRO-3 and its activations full recomputation
+    assert "ZeRO-3, full recompute" in text
+    assert "limiting term: recomputation" in text
+    assert "against the first, TP 4 x PP 2 x DP 8" in text and "most of it recomputation" in text
+
+
+def test_explain_names_the_rule_a_layout_breaks_and_the_term_behind_it():
+    one_node = ["--model", "70b", "--nodes", "1"]
+    lines, _ = planner_cli.report(planner_cli.parse([*one_node, "--explain", "8,1,1"]))
+    text = "\n".join(lines)
+    # 70B on 8 GPUs: 16 bytes per parameter over TP 8 alone is 130 GiB per GPU of state
+    assert "explain TP 8 x PP 1 x DP 1:\n  rejected: its nearest setting" in text
+    assert "out of memory: " in text and "the largest part of its memory: optimiser state" in text
+    lines, _ = planner_cli.report(planner_cli.parse(["--model", "70b", "--explain", "64,1,1"]))
+    assert "TP across nodes: TP 64 spans nodes of 8 GPUs" in "\n".join(lines)
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("8,4", "--explain must be TP,PP,DP[,CP,EP,V]"),
+        ("8,4,4", "must be the cluster's 64 GPUs, got 8 x 1 x 4 x 4 = 128"),
+        ("8,4,2,1,1,0", "--explain's V must be"),
+        ("8,x,2", "--explain must be whole numbers"),
+    ],
+)
+def test_a_bad_explain_names_the_flag(spec, message):
+    with pytest.raises(ValueError) as error:
+        planner_cli.parse(["--model", "70b", "--explain", spec])
+    assert message in str(error.value)

@@ -46,31 +46,10 @@ def preset_name(title: str) -> str:
     return re.sub(r"[^a-z0-9.]+", "-", title.lower().replace(",", "")).strip("-")
 
 
-def _llama3(layers: int, hidden: int, heads: int, ffn: int) -> planner.Model:
-    """A Llama 3 shape (Dubey et al. 2024, arXiv 2407.21783, Table 3: 8 key-value heads,
-    SwiGLU, a 128,256-token vocabulary, untied), 8,192 tokens per sequence (the main
-    pre-training stage), its parameters counted from the shape with the norms: 8,030,261,248,
-    70,553,706,496 and 405,853,388,800, the model cards' counts."""
-    h, kv, vocab = hidden, 8, 128_256
-    layer = 2 * h * h + 2 * h * (h // heads) * kv + 3 * h * ffn + 2 * h  # two norms
-    params = layers * layer + 2 * vocab * h + h  # embedding, output layer, final norm
-    return planner.Model(
-        *(params, layers, hidden, heads, 8192, vocab),
-        kv_heads=kv,
-        ffn_hidden=ffn,
-        gated_mlp=True,
-        dropout=False,
-    )
-
-
 MODEL_PRESETS = {
-    "llama-3-8b": ("Llama 3 8B (arXiv 2407.21783, Table 3)", _llama3(32, 4096, 32, 14_336), 1),
-    "llama-3-70b": ("Llama 3 70B (arXiv 2407.21783, Table 3)", _llama3(80, 8192, 64, 28_672), 8),
-    "llama-3-405b": (
-        "Llama 3 405B (arXiv 2407.21783, Table 3)",
-        _llama3(126, 16_384, 128, 53_248),
-        128,
-    ),
+    "llama-3-8b": ("Llama 3 8B (arXiv 2407.21783, Table 3)", planner.LLAMA3["8B"], 1),
+    "llama-3-70b": ("Llama 3 70B (arXiv 2407.21783, Table 3)", planner.LLAMA3["70B"], 8),
+    "llama-3-405b": ("Llama 3 405B (arXiv 2407.21783, Table 3)", planner.LLAMA3["405B"], 128),
     "mixtral-8x7b": ("Mixtral 8x7B (arXiv 2401.04088)", planner.MOE_MODEL, 8),
 }
 """Model shapes by name: ``(title, model, nodes of 8 H100)``; the nodes (and the global
@@ -148,7 +127,7 @@ def parser() -> argparse.ArgumentParser:
     for field, meaning in MODEL_FLAGS.items():
         add(_flag(field), type=float, default=None, help=meaning)
     for field, (flag, meaning) in SHAPE_FLAGS.items():
-        add(flag, dest=field, type=float, default=None, help=meaning)
+        add(flag, dest=field, type=float, default=None, metavar="N", help=meaning)
     add(
         "--gated-mlp",
         action=argparse.BooleanOptionalAction,
@@ -207,6 +186,13 @@ def parser() -> argparse.ArgumentParser:
         metavar="V[,V...]",
         help=f"interleaving depths (model chunks per GPU) to search (default: {depths})",
     )
+    add(
+        "--explain",
+        default=None,
+        metavar="TP,PP,DP[,CP,EP,V]",
+        help="why this layout ranks where it does, or why it is rejected, with the term"
+        " that limits it (CP, EP default 1; V: every depth)",
+    )
     add("--top", type=int, default=5, metavar="K", help="list K layouts (default: 5)")
     add(
         "--laptop",
@@ -235,6 +221,8 @@ class Request:
     """The stack to plan on (a preset of :data:`trainscale.software.SOFTWARE`, maybe changed)."""
     virtual_stages: tuple[int, ...] = planner.INTERLEAVING
     """The interleaving depths searched."""
+    explain: str | None = None
+    """``--explain``'s value, checked by :func:`trainscale.planner.explain.explain_spec`."""
 
 
 SOFTWARE_FLAGS = ("fused_attention", "dropout", "gradient_reduce_dtype")
@@ -351,6 +339,36 @@ def _depths(text: str | None) -> tuple[int, ...]:
     return tuple(dict.fromkeys(_checks.count("--virtual-stages", v, minimum=1) for v in values))
 
 
+SPEC_FIELDS = ("TP", "PP", "DP", "CP", "EP", "V")
+"""The degrees ``--explain`` takes, in order (CP, EP and V optional: 1, 1, every depth)."""
+
+
+def explain_spec(text: str, gpus: int) -> tuple[int, ...]:
+    """``--explain``'s value: 3 to 6 whole numbers >= 1, comma-separated, whose
+    ``TP x CP x PP x DP`` is the cluster's ``gpus``; missing CP and EP are 1, a missing V 0
+    (every depth searched)."""
+    parts = text.split(",")
+    if not 3 <= len(parts) <= 6:
+        raise ValueError(f"--explain must be TP,PP,DP[,CP,EP,V], got {text!r}")
+    try:
+        values = [float(part) for part in parts]
+    except ValueError:
+        raise ValueError(
+            f"--explain must be whole numbers TP,PP,DP[,CP,EP,V], got {text!r}"
+        ) from None
+    degrees = [
+        _checks.count(f"--explain's {name}", value, minimum=1)
+        for name, value in zip(SPEC_FIELDS, values, strict=False)
+    ]
+    tp, pp, dp, cp, ep, v = [*degrees, *(1, 1, 0)[len(degrees) - 3 :]]
+    if tp * cp * pp * dp != gpus:
+        raise ValueError(
+            f"--explain: TP x CP x PP x DP must be the cluster's {gpus:,} GPUs,"
+            f" got {tp} x {cp} x {pp} x {dp} = {tp * cp * pp * dp:,}"
+        )
+    return tp, pp, dp, cp, ep, v
+
+
 def parse(argv: Sequence[str] | None = None) -> Request | None:
     """The :class:`Request` the command line asks for (``None`` for ``--list-models``).
 
@@ -375,6 +393,8 @@ def parse(argv: Sequence[str] | None = None) -> Request | None:
     laptop = None if args.laptop is None else _checks.count("--laptop", args.laptop, minimum=1)
     stack = _software(args, preset)
     depths = _depths(args.virtual_stages)
+    if args.explain is not None:
+        explain_spec(args.explain, cluster.gpus)  # refused here, naming --explain
     run = preset.run if preset else None
     if run and (model, cluster, batch, stack) != (
         preset.model,
@@ -383,4 +403,4 @@ def parse(argv: Sequence[str] | None = None) -> Request | None:
         run.software,
     ):
         run = None  # a flag changed the run: the published figures no longer apply
-    return Request(model, cluster, gpu, batch, top, laptop, run, stack, depths)
+    return Request(model, cluster, gpu, batch, top, laptop, run, stack, depths, args.explain)

@@ -23,8 +23,10 @@ or a full shape (``--layers``, ``--hidden``, ``--heads``, ``--kv-heads``, ``--ff
 ``--params`` counted from it unless given); explicit flags also override a preset's.
 Every interleaving depth of :data:`trainscale.planner.INTERLEAVING` is searched unless
 ``--virtual-stages`` says otherwise, and the report counts the layouts each rule
-rejected. For a published run left as published, it also prints
-the planner's estimate of the published layout, with its range
+rejected; ``--explain TP,PP,DP[,CP,EP,V]`` says why one layout ranks where it does, or
+why it is rejected, with the term that limits it (:mod:`trainscale.planner.explain`).
+For a published run left as published, it also prints the planner's estimate of the
+published layout, with its range
 (:func:`trainscale.planner.estimate_run`), next to the published MFU. ``--laptop N``
 scales the best layout down to a tiny model that runs on N gloo processes on a
 CPU, with the same kinds of parallelism (:func:`laptop_shape`), and prints that
@@ -72,6 +74,7 @@ from trainscale.planner.commands import (
     refusal,
     train_flags,
 )
+from trainscale.planner.explain import explain, explain_spec
 from trainscale.published import PublishedRun
 
 __all__ = [  # the command line's names, and those it re-exports from arguments and commands
@@ -281,6 +284,7 @@ def report(request: Request) -> tuple[list[str], bool]:
     crowded = too_many_gpus(request)
     if crowded is not None:
         return [*describe(request), "", crowded], False
+    spec = None if request.explain is None else explain_spec(request.explain, request.cluster.gpus)
     stack = request.software
     layouts = planner.plan(
         *(request.model, request.cluster, request.global_batch),
@@ -290,6 +294,8 @@ def report(request: Request) -> tuple[list[str], bool]:
     best = planner.top_layouts(layouts, count=request.top)
     counts = planner.verdict_counts(layouts)
     lines = [*describe(request), f"{len(layouts):,} layouts tried, {counts['fits']:,} fit", ""]
+    if spec is not None:
+        lines += [*explain(request, spec, layouts), ""]
     if not best:
         return [*lines, rejections(counts), "", *nothing_fits(request, layouts)], False
     ranges = [

@@ -270,6 +270,31 @@ MOE_MODEL = Model(
 which 12.9B are active: the example where expert parallelism pays (chapters 13 and 15)."""
 
 
+def _llama3(layers: int, hidden: int, heads: int, ffn: int) -> Model:
+    """A Llama 3 shape (Dubey et al. 2024, arXiv 2407.21783, Table 3: 8 key-value heads,
+    SwiGLU, a 128,256-token vocabulary, untied), 8,192 tokens per sequence (the main
+    pre-training stage), its parameters counted from the shape with the norms: 8,030,261,248,
+    70,553,706,496 and 405,853,388,800, the model cards' counts."""
+    h, kv, vocab = hidden, 8, 128_256
+    layer = 2 * h * h + 2 * h * (h // heads) * kv + 3 * h * ffn + 2 * h  # two norms
+    params = layers * layer + 2 * vocab * h + h  # embedding, output layer, final norm
+    return Model(
+        *(params, layers, hidden, heads, 8192, vocab),
+        kv_heads=kv,
+        ffn_hidden=ffn,
+        gated_mlp=True,
+        dropout=False,
+    )
+
+
+LLAMA3 = {
+    "8B": _llama3(32, 4096, 32, 14_336),
+    "70B": _llama3(80, 8192, 64, 28_672),
+    "405B": _llama3(126, 16_384, 128, 53_248),
+}
+"""Llama 3's three dense shapes (:func:`_llama3`), by size."""
+
+
 def node_settings(gpu: str, inter_node_bandwidth: float) -> dict[str, float]:
     """The :class:`Cluster` settings of one node of ``gpu`` (a key of
     :data:`trainscale.published.GPUS`), all but ``nodes``: its GPUs per node, memory,
