@@ -294,15 +294,20 @@ SOFTWARE: dict[str, Software] = {
                 "BLOOM and MT-NLG trained before FlashAttention (arXiv 2205.14135)",
                 "dropout": "Megatron-LM's default 0.1, as the planner read it (issue 12); "
                 "BLOOM's own setting not re-checked",
-                "gradient_reduce_dtype": "16-bit gradients, as the planner read it (issue 12); "
-                "BLOOM trained in bf16 (arXiv 2211.05100)",
+                "gradient_reduce_dtype": "16-bit gradients, as the planner read it (issue 12), "
+                "kept so the estimates do not move; but BLOOM trained in bf16 (arXiv "
+                f"2211.05100), and {DEEPSPEED}@0050fda deepspeed/runtime/pipe/engine.py says "
+                "'BF16 Optimizer is hardcoded for fp32 gradient accumulation': to re-check",
                 "zero_stages": f"{DEEPSPEED} deepspeed/runtime/zero: stages 0-3",
-                "pipeline_zero_stages": f"{DEEPSPEED}@195563a deepspeed/runtime/pipe/engine.py:"
-                " 'ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism'",
-                "pipeline_interleaving": f"{DEEPSPEED}@af8f259 deepspeed/runtime/pipe/schedule.py:"
-                " TrainSchedule is 1F1B, one model chunk per stage",
-                "reduce_after_flush": f"{DEEPSPEED}@af8f259 deepspeed/runtime/pipe/schedule.py:"
-                " ReduceGrads after the last micro-batch's backward",
+                "pipeline_zero_stages": f"{DEEPSPEED}@0050fda deepspeed/runtime/pipe/engine.py,"
+                " PipelineEngine.__init__: assert zero_optimization_stage() < gradients, "
+                "'ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism'",
+                "pipeline_interleaving": f"{DEEPSPEED}@077e674 deepspeed/runtime/pipe/schedule.py:"
+                " TrainSchedule.steps is 1F1B over 2 (m + stages - 1) steps, one model chunk"
+                " per stage",
+                "reduce_after_flush": f"{DEEPSPEED}@077e674 deepspeed/runtime/pipe/schedule.py:"
+                " TrainSchedule.steps issues ReduceGrads at its last step, after the last "
+                "micro-batch's backward",
             },
             fused_attention=False,
             dropout=True,
@@ -343,7 +348,7 @@ SOFTWARE: dict[str, Software] = {
                 "pipeline_zero_stages": f"{TORCHTITAN} configs.py:145, fsdp_reshard_after_forward"
                 " 'default' (kept gathered with pipelines)",
                 "pipeline_interleaving": f"{TORCHTITAN} configs.py:216, pipeline_parallel_schedule"
-                " (Interleaved1F1B among the choices)",
+                " (Interleaved1F1B among the choices, configs.py:221)",
                 "overlap_grad_reduce": "PyTorch FSDP2 (fully_shard): gradients reduce-scattered "
                 "during the backward, layer by layer",
                 "overlap_param_gather": "PyTorch FSDP2 (fully_shard): the next layer's "
