@@ -109,3 +109,15 @@ def test_the_planner_reads_the_software_not_a_citation():
     # a model's own dropout wins over the software's
     assert P.LONG_CONTEXT_MODEL.under(DEFAULT_SOFTWARE).dropout is False
     assert P.EXAMPLE_MODEL.under(SOFTWARE["megatron-lm-2021"]).fused_attention is False
+
+
+def test_a_published_run_can_be_estimated_on_another_stack():
+    bloom = next(run for run in P.published_runs() if run.name.startswith("BLOOM"))
+    own = P.estimate_run(bloom)
+    assert P.estimate_run(bloom, software="deepspeed-megatron") == own  # its own stack
+    # with fp32 gradients (what DeepSpeed's bf16 optimiser accumulates) the same layout
+    # holds twice the gradient bytes
+    fp32 = P.estimate_run(bloom, software=bloom.software.replace(gradient_reduce_dtype="fp32"))
+    assert fp32.layout.memory_parts["gradients"] == 2 * own.layout.memory_parts["gradients"]
+    with pytest.raises(ValueError, match="software must be one of"):
+        P.estimate_run(bloom, software="deepspeed")

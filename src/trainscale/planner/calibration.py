@@ -216,7 +216,9 @@ def _range_ends(evaluate_at) -> tuple[Layout, Layout]:
     return min(lows, key=lambda lay: lay.mfu), max(highs, key=lambda lay: lay.mfu)
 
 
-def estimate_run(run: PublishedRun, overlap: float | None = None) -> RunEstimate:
+def estimate_run(
+    run: PublishedRun, overlap: float | None = None, software: Software | str | None = None
+) -> RunEstimate:
     """The planner's estimate of a published run, with its range (see :class:`RunEstimate`).
 
     The run's TP, PP, DP, global batch and GPUs are fixed; each field it leaves
@@ -227,9 +229,14 @@ def estimate_run(run: PublishedRun, overlap: float | None = None) -> RunEstimate
     :data:`ELEMENTWISE_TRAFFIC` and :data:`OVERLAP` (or the overlap the run's software
     documents, :meth:`trainscale.software.Software.overlap_shares`). ``overlap`` (a share
     in [0, 1]) pins the share of the data- and tensor-parallel communication that hides
-    instead: what the range would be if a source said it.
+    instead: what the range would be if a source said it. ``software`` (a
+    :class:`trainscale.software.Software` or a preset's name) replaces the run's own
+    :attr:`~trainscale.published.PublishedRun.software`: the same run on another stack;
+    ``None``, its own.
     """
     run = _published(run)
+    if software is not None:
+        run = dataclasses.replace(run, software=_software(software))
     pinned = None if overlap is None else _checks.fraction("overlap", overlap)
     point = _at_shape(run, "point", 1.0, pinned)
     if point is None:
