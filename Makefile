@@ -15,8 +15,9 @@ PORT   ?= 8000
 TORCH_VERSION   := 2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 # The installer's own pins. uv fills a venv with the same pinned set as pip, from its
-# cache in seconds (pip: about a minute); `make INSTALLER=pip ...` uses pip alone, and
-# so does a machine where uv cannot be installed.
+# cache in seconds (pip: about a minute), and compiles it to bytecode as pip does (else
+# every process of the first test run would compile torch again); `make INSTALLER=pip
+# ...` uses pip alone, and so does a machine where uv cannot be installed.
 UV_VERSION  := 0.13.9
 PIP_VERSION := 26.3
 INSTALLER   ?= uv
@@ -37,10 +38,12 @@ $(STAMP): requirements.txt pyproject.toml
 		install="$(BIN)/uv pip install --quiet --python $(BIN)/python \
 			$(foreach folder,$(FIND_LINKS),--find-links $(folder))"; \
 		cpu_index="env UV_HTTP_RETRIES=0 UV_HTTP_TIMEOUT=5 $$install --index-url"; \
+		compile=--compile-bytecode; \
 	else \
 		echo "Installing with pip"; \
 		install="$(BIN)/python -m pip install --quiet"; \
 		cpu_index="$$install --timeout 5 --retries 0 --index-url"; \
+		compile=; \
 	fi; \
 	set -e; \
 	$$install pip==$(PIP_VERSION); \
@@ -49,7 +52,7 @@ $(STAMP): requirements.txt pyproject.toml
 		$$cpu_index $(TORCH_CPU_INDEX) torch==$(TORCH_VERSION) \
 		|| echo "The PyTorch CPU index is not reachable: torch comes from requirements.txt"; \
 	fi; \
-	$$install -r requirements.txt
+	$$install -r requirements.txt $$compile
 	touch $@
 
 ## make book: build the website and serve it on http://127.0.0.1:8000 (Ctrl-C stops it)
