@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from trainscale import _checks, planner
+from trainscale.planner import inputs
 from trainscale.published import GPUS, PublishedRun, published_runs
 from trainscale.software import DEFAULT_SOFTWARE, GRADIENT_REDUCE_DTYPES, SOFTWARE, Software
 
@@ -253,17 +254,17 @@ _FLAG_OF = {
 
 
 def shape_params(shape: dict) -> int:
-    """Parameters of a model of ``shape`` (the :class:`trainscale.planner.Model` fields):
-    per layer ``2 h^2`` (query, output) + ``2 h (h / heads) kv_heads`` (keys, values) + 2
-    (3 if gated) ``h x ffn`` matrices per expert; plus the embedding and output layer,
-    ``2 vocab h`` (once if tied). Biases and norms are left out (under 0.01 %)."""
-    h, heads = shape["hidden"], shape["heads"]
-    kv = shape.get("kv_heads") or heads
-    ffn = shape.get("ffn_hidden") or 4 * h
-    mlp = (3 if shape.get("gated_mlp") else 2) * h * ffn * (shape.get("experts") or 1)
-    layer = 2 * h * h + 2 * h * (h // heads) * kv + mlp
-    tied = 1 if shape.get("tied_embeddings") else 2
-    return shape["layers"] * layer + tied * shape["vocab"] * h
+    """Parameters of a model of ``shape`` (the :class:`trainscale.planner.Model` fields),
+    as :func:`trainscale.planner.inputs.shape_params` counts them (norms and biases left
+    out)."""
+    optional = ("kv_heads", "ffn_hidden", "gated_mlp", "experts", "tied_embeddings")
+    return inputs.shape_params(
+        shape["layers"],
+        shape["hidden"],
+        shape["heads"],
+        shape["vocab"],
+        **{name: shape[name] for name in optional if shape.get(name) is not None},
+    )
 
 
 def _model(args: argparse.Namespace, preset: Preset | None) -> planner.Model:

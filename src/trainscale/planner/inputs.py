@@ -234,23 +234,6 @@ EXAMPLE_MODEL = Model(params=70e9, layers=80, hidden=8192, heads=64, seq_len=409
 sequences of 4,096 tokens, a 32,000-token vocabulary (Llama 2 70B's shape,
 with plain multi-head attention assumed)."""
 
-LONG_CONTEXT_MODEL = Model(
-    params=8_030_261_248,
-    layers=32,
-    hidden=4096,
-    heads=32,
-    seq_len=131_072,
-    vocab=128_256,
-    kv_heads=8,
-    ffn_hidden=14_336,
-    gated_mlp=True,
-    dropout=False,
-)
-"""Llama 3 8B's shape (Meta's model card and the paper's Table 3, arXiv 2407.21783:
-8.03B parameters, 32 layers, width 4,096, 32 heads and 8 key-value heads, SwiGLU of
-width 14,336, a 128,256-token vocabulary, no dropout) at 131,072 tokens per sequence:
-the example where context parallelism pays (chapters 13 and 14)."""
-
 MOE_MODEL = Model(
     params=46_702_792_704,
     layers=32,
@@ -270,21 +253,43 @@ MOE_MODEL = Model(
 which 12.9B are active: the example where expert parallelism pays (chapters 13 and 15)."""
 
 
+def shape_params(
+    layers: int,
+    hidden: int,
+    heads: int,
+    vocab: int,
+    *,
+    kv_heads: int | None = None,
+    ffn_hidden: int | None = None,
+    gated_mlp: bool = False,
+    experts: int | None = None,
+    tied_embeddings: bool = False,
+    norms: bool = False,
+) -> int:
+    """Parameters of a decoder of this shape: per layer ``2 h^2`` (query, output) +
+    ``2 h (h / heads) kv_heads`` (keys, values) + 2 (3 if gated) ``h x ffn`` matrices
+    per expert; plus the embedding and output layer, ``2 vocab h`` (once if tied).
+    ``norms``: also two norm weights per layer and a final one (``2 h`` per layer +
+    ``h``, what a model card counts); otherwise norms and biases are left out (under
+    0.01 %)."""
+    kv = kv_heads or heads
+    ffn = ffn_hidden or 4 * hidden
+    mlp = (3 if gated_mlp else 2) * hidden * ffn * (experts or 1)
+    layer = 2 * hidden * hidden + 2 * hidden * (hidden // heads) * kv + mlp
+    embeddings = (1 if tied_embeddings else 2) * vocab * hidden
+    if norms:
+        return layers * (layer + 2 * hidden) + embeddings + hidden
+    return layers * layer + embeddings
+
+
 def _llama3(layers: int, hidden: int, heads: int, ffn: int) -> Model:
     """A Llama 3 shape (Dubey et al. 2024, arXiv 2407.21783, Table 3: 8 key-value heads,
     SwiGLU, a 128,256-token vocabulary, untied), 8,192 tokens per sequence (the main
     pre-training stage), its parameters counted from the shape with the norms: 8,030,261,248,
     70,553,706,496 and 405,853,388,800, the model cards' counts."""
-    h, kv, vocab = hidden, 8, 128_256
-    layer = 2 * h * h + 2 * h * (h // heads) * kv + 3 * h * ffn + 2 * h  # two norms
-    params = layers * layer + 2 * vocab * h + h  # embedding, output layer, final norm
-    return Model(
-        *(params, layers, hidden, heads, 8192, vocab),
-        kv_heads=kv,
-        ffn_hidden=ffn,
-        gated_mlp=True,
-        dropout=False,
-    )
+    shape = {"kv_heads": 8, "ffn_hidden": ffn, "gated_mlp": True}
+    params = shape_params(layers, hidden, heads, 128_256, **shape, norms=True)
+    return Model(params, layers, hidden, heads, 8192, 128_256, **shape, dropout=False)
 
 
 LLAMA3 = {
@@ -293,6 +298,12 @@ LLAMA3 = {
     "405B": _llama3(126, 16_384, 128, 53_248),
 }
 """Llama 3's three dense shapes (:func:`_llama3`), by size."""
+
+LONG_CONTEXT_MODEL = dataclasses.replace(LLAMA3["8B"], seq_len=131_072)
+"""Llama 3 8B's shape (Meta's model card and the paper's Table 3, arXiv 2407.21783:
+8.03B parameters, 32 layers, width 4,096, 32 heads and 8 key-value heads, SwiGLU of
+width 14,336, a 128,256-token vocabulary, no dropout) at 131,072 tokens per sequence:
+the example where context parallelism pays (chapters 13 and 14)."""
 
 
 def node_settings(gpu: str, inter_node_bandwidth: float) -> dict[str, float]:
