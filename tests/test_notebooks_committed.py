@@ -83,7 +83,9 @@ def test_widget_state_is_stored(notebook):
 def test_every_figure_has_alt_text(notebook):
     for index, cell in enumerate(_code_cells(notebook)):
         images = [
-            o for o in cell["outputs"] if {"image/png", "image/svg+xml"} & set(o.get("data", {}))
+            o
+            for o in cell["outputs"]
+            if any(mime.startswith("image/") for mime in o.get("data", {}))
         ]
         if images:
             alt = cell["metadata"].get("mystnb", {}).get("image", {}).get("alt", "")
