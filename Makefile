@@ -81,8 +81,8 @@ check: lint
 	$(BIN)/python -m pytest -q -n 2 -m "not slow and not browser"
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests notebooks tools
-	$(BIN)/ruff format --check src tests notebooks tools
+	$(BIN)/ruff check src tests notebooks tools book
+	$(BIN)/ruff format --check src tests notebooks tools book
 
 # Unit and property tests (real gloo jobs included) and the committed-notebook
 # checks, three at a time on two cores (many of them wait on other processes).
@@ -104,7 +104,7 @@ ALONE := notebooks/04_collectives.ipynb
 notebooks: nbval nbval-alone
 nbval: $(STAMP)
 	$(KERNELS_ELSEWHERE) $(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder $(NBVAL) \
-		$(filter-out $(ALONE),$(shell $(BIN)/python tools/longest_first.py notebooks/*.ipynb))
+		$(filter-out $(ALONE),$(shell $(BIN)/python tools/longest_first.py notebooks/*.ipynb book/*.ipynb))
 nbval-alone: $(STAMP)
 	$(KERNELS_ELSEWHERE) $(BIN)/python -m pytest $(NBVAL) $(ALONE)
 

@@ -2,8 +2,8 @@
 
 Each page must load with no failed request, no request to another site, and no
 console error of ours; its math must be typeset, its images must load, axe-core must
-find nothing serious or critical on it, and every slider must change the figure it
-drives, with no kernel behind the page.
+find nothing serious or critical on it, it must link to the back matter, and every
+slider must change the figure it drives, with no kernel behind the page.
 """
 
 from __future__ import annotations
@@ -43,6 +43,9 @@ def _toc_pages() -> list[str]:
 
 
 PAGES = _toc_pages()
+# The back matter every page links to (from the table of contents in its sidebar).
+BACK_MATTER = [p for p in PAGES if p.startswith("book/") and p != "book/intro.html"]
+
 # Pages on which axe also checks colours (axe.COLOUR_RULES, the slow part of its run): every
 # page that is not a chapter, and the first chapter, which shows everything a chapter
 # styles (code, outputs, a collapsed cell, a slider, a quiz). AXE_EVERY_RULE=1 checks
@@ -161,6 +164,17 @@ _UNREACHABLE_SCROLLERS = """() => Array.from(document.querySelectorAll(
         && (el.scrollWidth > el.clientWidth || el.scrollHeight > el.clientHeight)).length"""
 
 
+def _check_back_matter_linked(page, path: str) -> None:
+    """The page's navigation links to every other back-matter page: cheat sheet,
+    glossary, notation, running on a CPU, references."""
+    linked = page.evaluate(
+        "() => Array.from(document.querySelectorAll('nav a[href]')).map(a => a.href)"
+    )
+    base = page.url.rsplit("/", path.count("/") + 1)[0]
+    missing = [p for p in BACK_MATTER if p != path and f"{base}/{p}" not in linked]
+    assert missing == [], f"{path} does not link to the back matter"
+
+
 def _check_accessible(page, path: str) -> None:
     """axe-core finds no serious or critical violation on the page as it is shown, once
     the theme has caught up with the last change to the page (or 5 s have passed)."""
@@ -174,12 +188,13 @@ def _check_accessible(page, path: str) -> None:
 @pytest.mark.parametrize("path", PAGES)
 def test_page_loads_from_this_site_and_its_sliders_work_without_a_kernel(browser, site_url, path):
     """One visit per page: everything loads from this site, axe-core finds nothing
-    serious, then every slider is moved."""
+    serious, the back matter is linked, then every slider is moved."""
     page, visit = _open(browser, f"{site_url}/{path}", site_url)
     try:
         _settle(page)
         _check_loaded(page, visit)
         _check_accessible(page, path)
+        _check_back_matter_linked(page, path)
         if path.startswith("notebooks/"):
             SCREENSHOTS.mkdir(exist_ok=True)
             page.screenshot(path=str(SCREENSHOTS / f"{Path(path).stem}.png"))
