@@ -44,6 +44,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 
 PLANNER_ORDER: tuple[str, ...] = (
     "planner.inputs",
+    "planner.unknowns",
     "planner.memory",
     "planner.traffic",
     "planner.kernels",
