@@ -1,10 +1,13 @@
 """Mixture of experts and expert parallelism (chapter 15), one module per section of the chapter.
 
 * :mod:`~trainscale.experts.routing`: the router's top-k and gates, each expert's
-  capacity, the assignments dropped, and the Switch Transformer's balancing loss;
+  capacity, the assignments dropped, the Switch Transformer's balancing loss and
+  ST-MoE's router z-loss;
 * :mod:`~trainscale.experts.layer`: :class:`MoELayer`, an independent token-by-token
   reference (:func:`per_token_reference`), the chapter's inputs, and the balancing loss
   at work;
+* :mod:`~trainscale.experts.dropless`: the dropless layer (permute, grouped GEMM,
+  unpermute), its padding and its memory traffic;
 * :mod:`~trainscale.experts.traffic`: expert parallelism's all-to-alls, their bytes and
   their time against the experts' compute.
 
@@ -14,6 +17,16 @@ Everything is re-exported here, so ``from trainscale.experts import X`` and
 
 from __future__ import annotations
 
+from trainscale.experts.dropless import (
+    GROUPED_MM_DTYPES,
+    can_group,
+    dropless_forward,
+    expert_mlps,
+    padded_rows,
+    padding_flops,
+    permute_bytes,
+    permute_to_compute,
+)
 from trainscale.experts.layer import (
     MoELayer,
     ReferenceRun,
@@ -26,7 +39,9 @@ from trainscale.experts.routing import (
     dropped_assignments,
     expert_capacity,
     load_balancing_loss,
+    rounding_drift,
     route,
+    router_z_loss,
 )
 from trainscale.experts.traffic import (
     ALL_TO_ALLS_PER_LAYER,
@@ -38,18 +53,28 @@ from trainscale.experts.traffic import (
 
 __all__ = [
     "ALL_TO_ALLS_PER_LAYER",
+    "GROUPED_MM_DTYPES",
     "MoELayer",
     "ReferenceRun",
     "Routing",
     "all_to_all_bytes_per_rank",
     "balance_router",
+    "can_group",
+    "dropless_forward",
     "dropped_assignments",
     "ep_comm_to_compute",
     "expert_capacity",
+    "expert_mlps",
     "link_comm_to_compute",
     "load_balancing_loss",
+    "padded_rows",
+    "padding_flops",
     "per_token_reference",
+    "permute_bytes",
+    "permute_to_compute",
     "remote_nodes",
+    "rounding_drift",
     "route",
+    "router_z_loss",
     "sample_tokens",
 ]

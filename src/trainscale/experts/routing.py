@@ -150,3 +150,48 @@ def load_balancing_loss(probabilities: torch.Tensor, experts: torch.Tensor) -> t
     counts = torch.bincount(experts.reshape(-1), minlength=n_experts)
     share = counts.to(probabilities.dtype) / experts.numel()
     return n_experts * (share * probabilities.mean(dim=0)).sum()
+
+
+def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """ST-MoE's router z-loss, ``(1/T) sum_t (log sum_i exp(x_ti))^2`` (Zoph et al. 2022,
+    arXiv 2202.08906, eq. 5), of the router's ``logits`` (tokens, E); unitless.
+
+    The softmax cannot see a constant added to a token's logits; this loss can: it
+    penalises the *size* of the logits (their log-sum-exp), so training keeps them small,
+    where rounding to a low-precision format moves a probability least. Its gradient with
+    respect to token ``t``'s logits is ``2 * lse_t * softmax(x_t) / T``: when ``lse_t > 0``
+    every logit is pushed down in proportion to its probability. ST-MoE adds it with
+    weight ``c_z = 0.001``. It is 0 when ``lse_t = 0`` for every token (e.g. ``E`` equal
+    logits of ``-log E``); for ``E`` equal logits ``c`` it is ``(c + log E)^2``.
+    """
+    if logits.dim() != 2 or logits.shape[0] == 0 or logits.shape[1] == 0:
+        raise ValueError(f"logits must be (tokens, experts), got shape {tuple(logits.shape)}")
+    return (torch.logsumexp(logits, dim=-1) ** 2).mean()
+
+
+def rounding_drift(logits: torch.Tensor, top_k: int, dtype: torch.dtype) -> tuple[int, float]:
+    """What rounding the router's ``logits`` (tokens, E) to ``dtype`` before the softmax
+    does to the routing: how many tokens can no longer tell their ``top_k``-th expert from
+    the next (the two rounded logits are equal, where the exact ones differ), and the
+    largest change of a gate of the experts the exact logits chose (renormalised over the
+    ``top_k``, computed in float64 from the rounded logits).
+
+    Rounding keeps the order of the logits or makes two of them equal; it never swaps
+    them, so a token's choice can only become a tie, which ``topk`` then breaks by
+    position. Large logits round coarsely: a constant added to every logit of a token
+    changes nothing in exact arithmetic, but can, once the logits are rounded.
+    """
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+    exact = route(logits.double(), top_k, None)
+    rounded = logits.to(dtype).double()
+    tied = torch.zeros(len(logits), dtype=torch.bool)
+    if top_k < logits.shape[1]:
+        ranked = rounded.sort(dim=1, descending=True).values
+        distinct = logits.double().sort(dim=1, descending=True).values
+        tied = (ranked[:, top_k - 1] == ranked[:, top_k]) & (
+            distinct[:, top_k - 1] != distinct[:, top_k]
+        )
+    gates = rounded.softmax(dim=-1).gather(1, exact.experts)
+    gates = gates / gates.sum(dim=-1, keepdim=True)
+    return int(tied.sum()), float((gates - exact.gates).abs().max())
