@@ -9,7 +9,9 @@
 * :mod:`~trainscale.experts.dropless`: the dropless layer (permute, grouped GEMM,
   unpermute), its padding and its memory traffic;
 * :mod:`~trainscale.experts.traffic`: expert parallelism's all-to-alls, their bytes and
-  their time against the experts' compute.
+  their time against the experts' compute;
+* :mod:`~trainscale.experts.groups`: expert parallelism beside TP, PP and DP: which group
+  reduces which gradient, and the model state per GPU.
 
 Everything is re-exported here, so ``from trainscale.experts import X`` and
 ``experts.X`` need no submodule.
@@ -26,6 +28,11 @@ from trainscale.experts.dropless import (
     padding_flops,
     permute_bytes,
     permute_to_compute,
+)
+from trainscale.experts.groups import (
+    data_parallel_size,
+    expert_data_parallel_size,
+    model_state_per_gpu,
 )
 from trainscale.experts.layer import (
     MoELayer,
@@ -60,13 +67,16 @@ __all__ = [
     "all_to_all_bytes_per_rank",
     "balance_router",
     "can_group",
+    "data_parallel_size",
     "dropless_forward",
     "dropped_assignments",
     "ep_comm_to_compute",
     "expert_capacity",
+    "expert_data_parallel_size",
     "expert_mlps",
     "link_comm_to_compute",
     "load_balancing_loss",
+    "model_state_per_gpu",
     "padded_rows",
     "padding_flops",
     "per_token_reference",
