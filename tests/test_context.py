@@ -16,6 +16,7 @@ from trainscale.context import (
     cp_model_state_groups,
     document_ring_pairs,
     gradient_reduce_ranks,
+    hybrid_bytes_per_rank,
     kv_block_bytes,
     ring_bytes_per_rank,
     ring_schedule,
@@ -162,6 +163,38 @@ def test_cp_beats_tp_at_nine_h_over_t_minus_one():
 def test_bad_arguments_name_themselves(call, name):
     with pytest.raises(ValueError, match=name):
         call()
+
+
+def test_hybrid_bytes_by_hand():
+    # 16 local tokens, Ulysses over 2, ring over 2; 4 query heads and 1 key-value head of 8,
+    # float64. The key-value head is copied twice, so the all-to-alls send half of
+    # 16 x (2 x 32 + 2 x 8 x 2) values x 8 B = 6,144 B. Then a rank holds 32 tokens of one
+    # key-value head (8 wide): blocks of 32 x 8 x 8 = 2,048 B, passed 2 (R - 1) = 2 times
+    # forward (4,096 B) and 2 (R - 1) + 2 R = 6 times backward (12,288 B).
+    forward = hybrid_bytes_per_rank(16, 2, 2, 32, 8, 8, kv_heads=1)
+    backward = hybrid_bytes_per_rank(16, 2, 2, 32, 8, 8, kv_heads=1, backward=True)
+    assert forward == {"all-to-all": 6144, "ring": 4096}
+    assert backward == {"all-to-all": 6144, "ring": 12288}
+    # 2 key-value heads split over the 2 Ulysses ranks, no copy: 16 x (64 + 32) / 2 x 8 B.
+    assert hybrid_bytes_per_rank(16, 2, 2, 32, 16, 8, kv_heads=2)["all-to-all"] == 6144
+
+
+@given(st.integers(1, 64), st.integers(1, 8), st.sampled_from([8, 64, 4096]))
+def test_hybrid_of_one_kind_is_that_kind(tokens, ranks, width):
+    ring_only = hybrid_bytes_per_rank(tokens, 1, ranks, width)
+    ulysses_only = hybrid_bytes_per_rank(tokens, ranks, 1, ranks * width)
+    assert ring_only == {"all-to-all": 0, "ring": ring_bytes_per_rank(tokens, ranks, width)}
+    assert ulysses_only == {
+        "all-to-all": ulysses_bytes_per_rank(tokens, ranks, ranks * width),
+        "ring": 0,
+    }
+
+
+def test_hybrid_refuses_a_key_width_that_does_not_split():
+    with pytest.raises(ValueError, match="kv_hidden"):
+        hybrid_bytes_per_rank(16, 4, 2, 32, 6)
+    with pytest.raises(ValueError, match="ulysses_ranks"):
+        hybrid_bytes_per_rank(16, 0, 2, 32)
 
 
 def test_document_ring_pairs_by_hand():

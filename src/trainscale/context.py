@@ -29,6 +29,7 @@ DeepSpeed-Ulysses deals out the heads (:func:`ulysses_heads_per_rank`,
 :func:`ulysses_kv_replicas`),
 when the ring's traffic hides under its compute, against tensor
 parallelism's (:func:`cp_comm_to_compute`, :func:`cp_beats_tp_local_tokens`);
+the bytes of Ulysses and the ring combined (:func:`hybrid_bytes_per_rank`);
 the work of each rank when documents are packed into one sequence
 (:func:`document_ring_pairs`); and where CP sits in the whole layout: its ranks
 hold the same weights, so gradients are reduced, and ZeRO shards, over the data-
@@ -350,6 +351,45 @@ def cp_beats_tp_local_tokens(
         peak_flops, mfu, link_bandwidth, bytes_per_value, kv_share, causal
     )
     return threshold / tp_ratio
+
+
+def hybrid_bytes_per_rank(
+    local_tokens: int,
+    ulysses_ranks: int,
+    ring_ranks: int,
+    hidden: int,
+    kv_hidden: int | None = None,
+    bytes_per_value: float = 2,
+    batch: int = 1,
+    *,
+    kv_heads: int | None = None,
+    backward: bool = False,
+) -> dict[str, float]:
+    """Bytes one rank sends for one layer of Ulysses inside a ring (USP, Fang & Zhao 2024).
+
+    ``N = U R`` ranks: all-to-alls over groups of ``U`` (``ulysses_ranks``), then a
+    ring over ``R`` (``ring_ranks``). The all-to-alls send
+    :func:`ulysses_bytes_per_rank` for ``L`` local tokens on ``U`` ranks. After them a
+    rank holds ``U L`` tokens of ``kv_hidden r / U`` key width (``r`` =
+    :func:`ulysses_kv_replicas`), and the ring sends :func:`ring_bytes_per_rank` of
+    that, blocks of ``b L h_kv r`` values: the block of a plain ring over ``N`` ranks,
+    passed ``R - 1`` times instead of ``N - 1``. Returns ``{"all-to-all": ..., "ring": ...}``.
+    """
+    u = _checks.count("ulysses_ranks", ulysses_ranks, minimum=1)
+    r = _checks.count("ring_ranks", ring_ranks, minimum=1)
+    tokens = _checks.count("local_tokens", local_tokens, minimum=1)
+    width = _checks.count("hidden", hidden, minimum=1)
+    kv_width = width if kv_hidden is None else _checks.count("kv_hidden", kv_hidden, minimum=1)
+    copies = 1 if kv_heads is None else ulysses_kv_replicas(kv_heads, u)
+    if (kv_width * copies) % u:
+        raise ValueError(f"kv_hidden must split over ulysses_ranks = {u}, got {kv_width}")
+    a2a = ulysses_bytes_per_rank(
+        tokens, u, width, kv_width, bytes_per_value, batch, kv_heads=kv_heads
+    )
+    ring = ring_bytes_per_rank(
+        u * tokens, r, kv_width * copies // u, bytes_per_value, batch, backward=backward
+    )
+    return {"all-to-all": a2a, "ring": ring}
 
 
 DOCUMENT_LAYOUTS = (*LAYOUTS, "per-document zigzag")

@@ -1,18 +1,27 @@
 """Context parallelism inside a two-dimensional mesh, on real processes (chapter 14).
 
-One run on a ``DeviceMesh`` of four ranks, data x context parallelism (``dp`` x
-``cp``), :func:`gradients_worker`: each data-parallel rank takes its own sequences,
-each context-parallel rank a zig-zag share of their tokens (ring attention over the
-``cp`` ranks, from :mod:`trainscale.workers.context`). Every rank holds the whole
-model, so the gradients are reduced over the ``dp`` and ``cp`` ranks together: the
-mesh's two dimensions flattened into one (``DeviceMesh._flatten``, a private API, as
-torchtitan uses it), the group Megatron-Core calls
-``get_data_parallel_group(with_context_parallel=True)``. The run reduces them by hand,
-over the flattened group and over ``dp`` alone, and with FSDP2's ``fully_shard`` on the
-flattened mesh, which also shards the weights and their gradients four ways.
+Two runs on a ``DeviceMesh`` of four ranks:
 
-It draws its inputs in float64 from a seed, the same on every rank, and returns
-plain tensors that the chapter compares with the block in one process. The same
+* :func:`gradients_worker`, data x context parallelism (``dp`` x ``cp``): each
+  data-parallel rank takes its own sequences, each context-parallel rank a zig-zag
+  share of their tokens (ring attention over the ``cp`` ranks, from
+  :mod:`trainscale.workers.context`). Every rank holds the whole model, so the
+  gradients are reduced over the ``dp`` and ``cp`` ranks together: the mesh's two
+  dimensions flattened into one (``DeviceMesh._flatten``, a private API, as
+  torchtitan uses it), the group Megatron-Core calls
+  ``get_data_parallel_group(with_context_parallel=True)``. The run reduces them
+  by hand, over the flattened group and over ``dp`` alone, and with FSDP2's
+  ``fully_shard`` on the flattened mesh, which also shards the weights and their
+  gradients four ways;
+* :func:`hybrid_worker`, DeepSpeed-Ulysses inside a ring (USP, Fang & Zhao 2024;
+  Megatron-Core's ``cp_comm_type="a2a+p2p"``): all-to-alls over the ranks of one
+  ``ulysses`` group (consecutive ranks, as on one node), ring attention over the
+  ``ring`` ranks; the token layout is USP's (``zigzag_extract_local`` in its
+  code): ring rank ``j`` owns zig-zag chunks ``j`` and ``2R - 1 - j`` of ``2R``,
+  and its Ulysses ranks hold consecutive slices of them.
+
+Both draw their inputs in float64 from a seed, the same on every rank, and return
+plain tensors that the chapter compares with attention in one process. The same
 file runs on a GPU node::
 
     torchrun --nproc-per-node=4 -m trainscale.workers.context_mesh
@@ -22,12 +31,20 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from trainscale import _checks
-from trainscale.context import token_positions
+from trainscale.context import token_positions, ulysses_heads_per_rank, ulysses_kv_replicas
 from trainscale.distributed import device, torchrun_main
-from trainscale.workers.context import reference_attention, ring_attention
+from trainscale.workers.context import (
+    Tally,
+    _expand,
+    _heads_to_sequence,
+    _sequence_to_heads,
+    reference_attention,
+    ring_attention,
+    sequence_inputs,
+)
 
 NAMES = ("wq", "wk", "wv", "wo")
 """The attention block's weights: query, key and value projections, output projection."""
@@ -166,14 +183,110 @@ def gradients_worker(
     return {**reduced, "fsdp": fsdp, "held": held, "whole": whole, "dp": i, "cp": j}
 
 
+def _hybrid_mesh(ulysses: int, ring: int) -> DeviceMesh:
+    """``(ring, ulysses)``: each Ulysses group is ``ulysses`` consecutive ranks (one node)."""
+    return init_device_mesh(device().type, (ring, ulysses), mesh_dim_names=("ring", "ulysses"))
+
+
+def hybrid_positions(seq: int, ulysses: int, ring: int, rank: int) -> list[int]:
+    """The positions of ``rank``'s tokens under USP's layout, ``rank = j U + u``.
+
+    Ring rank ``j`` owns zig-zag chunks ``j`` and ``2R - 1 - j``
+    (:func:`trainscale.context.token_positions`); Ulysses rank ``u`` of its group
+    holds the ``u``-th of ``U`` consecutive slices of them.
+    """
+    owned = token_positions(seq, ring, rank // ulysses, "zigzag")
+    local = len(owned) // ulysses
+    u = rank % ulysses
+    return owned[u * local : (u + 1) * local]
+
+
+def hybrid_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mesh: DeviceMesh,
+    a2a: Tally | None = None,
+    ring: Tally | None = None,
+) -> torch.Tensor:
+    """Causal attention by all-to-alls over ``mesh["ulysses"]`` and a ring over ``mesh["ring"]``.
+
+    ``q``: ``(batch, heads, local_seq, head_dim)`` of this rank's tokens in the
+    order :func:`hybrid_positions` gives; ``k``, ``v`` with ``kv_heads`` heads. The
+    key-value heads are copied as Ulysses copies them when there are fewer than
+    its ranks; three all-to-alls give each rank its ring rank's tokens for
+    ``heads / U`` query heads; ring attention (zig-zag) runs over the ring ranks;
+    a fourth all-to-all returns the output. ``a2a`` and ``ring`` count each
+    part's bytes. Differentiable.
+    """
+    ulysses_group, ring_group = mesh.get_group("ulysses"), mesh.get_group("ring")
+    size = dist.get_world_size(ulysses_group)
+    ulysses_heads_per_rank(q.shape[1], size)
+    copies = ulysses_kv_replicas(k.shape[1], size)
+    k, v = _expand(k, copies), _expand(v, copies)
+    q_h, k_h, v_h = (_sequence_to_heads(t, ulysses_group, a2a) for t in (q, k, v))
+    out = ring_attention(q_h, k_h, v_h, group=ring_group, layout="zigzag", tally=ring)
+    return _heads_to_sequence(out, ulysses_group, a2a)
+
+
+def hybrid_worker(
+    rank: int,
+    world_size: int,
+    ulysses: int = 2,
+    heads: int = 4,
+    kv_heads: int = 1,
+    local_seq: int = 8,
+    head_dim: int = 8,
+    seed: int = 0,
+) -> dict:
+    """Forward and backward of :func:`hybrid_attention` on ``world_size * local_seq`` tokens.
+
+    ``ring = world_size / ulysses``. Returns this rank's output and ``dq``, ``dk``,
+    ``dv`` (float64), the positions of its tokens, and the bytes each part's
+    transfers delivered to it, forward and backward.
+    """
+    u = _checks.count("ulysses", ulysses, minimum=1)
+    if world_size % u:
+        raise ValueError(f"ulysses must divide the {world_size} ranks, got {ulysses}")
+    ring = world_size // u
+    mesh = _hybrid_mesh(u, ring)
+    seq = world_size * _checks.count("local_seq", local_seq, minimum=1)
+    *qkv, d_out = sequence_inputs(1, heads, seq, head_dim, seed, kv_heads)
+    index = hybrid_positions(seq, u, ring, rank)
+    q, k, v = (t[..., index, :].to(device()).clone().requires_grad_(True) for t in qkv)
+    a2a, ring_tally = Tally(), Tally()
+    out = hybrid_attention(q, k, v, mesh, a2a, ring_tally)
+    out.backward(d_out[..., index, :].to(device()))
+    received = {
+        "all-to-all": dict(a2a.bytes_received),
+        "ring": dict(ring_tally.bytes_received),
+    }
+    print(
+        f"ring {rank // u}, ulysses {rank % u}: received {received['all-to-all']['forward']:,} B"
+        f" by all-to-all and {received['ring']['forward']:,} B round the ring, forward"
+    )
+    plain = {"output": out.detach().cpu(), "dq": q.grad.cpu(), "dk": k.grad.cpu()}
+    return {**plain, "dv": v.grad.cpu(), "positions": index, "bytes received": received}
+
+
 def main(rank: int, world_size: int) -> None:
-    """``torchrun`` entry: the run; rank 0 compares it with one process."""
+    """``torchrun`` entry: both runs; rank 0 compares them with one process."""
     got = gradients_worker(rank, world_size, dp=2)
     expected = one_process_gradients(2, world_size // 2 * 8, 4, 2, 4)
     for label in ("over dp x cp", "over dp", "fsdp"):
         same = all(torch.allclose(got[label][n], expected[n], rtol=0, atol=1e-12) for n in NAMES)
         if rank == 0:
             print(f"gradients {label} equal one process: {same}")
+    hybrid = hybrid_worker(rank, world_size)
+    *qkv, d_out = sequence_inputs(1, 4, world_size * 8, 8, 0, 1)
+    q, k, v = (t.requires_grad_(True) for t in qkv)
+    full = reference_attention(q, k, v)
+    full.backward(d_out)
+    index = hybrid["positions"]
+    error = (hybrid["output"] - full.detach()[..., index, :]).abs().max().item()
+    error = max(error, (hybrid["dq"] - q.grad[..., index, :]).abs().max().item())
+    if rank == 0:
+        print(f"Ulysses x ring: output and dq within 1e-12 of one process: {error < 1e-12}")
 
 
 if __name__ == "__main__":
