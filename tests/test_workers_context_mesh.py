@@ -77,3 +77,16 @@ def test_hybrid_with_key_value_heads_split_not_copied():
             )
             phase = "backward" if backward else "forward"
             assert {part: rank["bytes received"][part][phase] for part in formula} == formula
+
+
+@pytest.mark.slow
+def test_context_parallel_alone_reduces_over_its_four_ranks():
+    # DP 1 x CP 4: one sequence in zig-zag quarters; the flattened group is the CP group.
+    got = run_ranks(wm.gradients_worker, 4, 1, 4, 1, 4, 2, 3, timeout=120)
+    expected = wm.one_process_gradients(1, 16, 4, 1, 2, seed=3)
+    for rank in got:
+        for name in wm.NAMES:
+            assert torch.allclose(rank["over dp x cp"][name], expected[name], atol=1e-12)
+            assert torch.allclose(rank["fsdp"][name], expected[name], atol=1e-12)
+        assert not torch.allclose(rank["over dp"]["wq"], expected["wq"], atol=1e-6)
+    assert sum(rank["held"] for rank in got) == got[0]["whole"]  # each weight held once

@@ -126,7 +126,8 @@ class AttentionBlock(torch.nn.Module):
 
 
 def _local_loss(block: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, share: int):
-    """This rank's share of the mean squared error: its tokens' sum over all the elements."""
+    """This rank's part of the mean squared error: its tokens' squared errors summed, over
+    ``share`` times its own count of elements (``share`` = the ranks whose parts add up)."""
     return ((block(x) - y) ** 2).sum() / (x.numel() * share)
 
 
