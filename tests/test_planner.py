@@ -75,6 +75,16 @@ def test_70b_state_per_gpu_with_tp8_pp4_dp2_at_each_zero_stage():
     )
 
 
+def test_context_parallel_ranks_shard_the_state_like_data_parallel_ones():
+    # CP splits the tokens, not the weights: ZeRO shards over DP x CP (chapter 14).
+    for zero in range(4):
+        split = P.model_state_per_gpu(M70, 8, 4, 1, zero, context_parallel=2)
+        assert split == P.model_state_per_gpu(M70, 8, 4, 2, zero)
+    assert P.model_state_per_gpu(M70, 8, 4, 2, 0, context_parallel=2) == P.model_state_per_gpu(
+        M70, 8, 4, 2, 0
+    )  # without ZeRO nothing is sharded: CP holds whole copies too
+
+
 def test_stage_params_without_a_pipeline_is_the_whole_model_over_tp():
     assert P.stage_params(M70, 1, 1) == 70 * 10**9
     assert P.stage_params(M70, 3, 1) == math.ceil(70e9 / 3)  # uneven shards: the largest

@@ -33,6 +33,7 @@ import torch
 
 from trainscale import _checks
 from trainscale.checkpointing import layer_activation_bytes
+from trainscale.context import gradient_reduce_ranks
 from trainscale.memory import StateDtypes, model_state_groups
 from trainscale.planner.inputs import Model, _recompute
 from trainscale.software import DEFAULT_SOFTWARE, Software
@@ -89,15 +90,24 @@ def stage_params(model: Model, tp: int, pp: int, virtual_stages: int = 1) -> int
 
 
 def model_state_per_gpu(
-    model: Model, tp: int, pp: int, dp: int, zero_stage: int, virtual_stages: int = 1
+    model: Model,
+    tp: int,
+    pp: int,
+    dp: int,
+    zero_stage: int,
+    virtual_stages: int = 1,
+    context_parallel: int = 1,
 ) -> dict[str, int]:
     """Bytes of weights, gradients and optimiser state on one GPU of the fullest stage.
 
     The stage's parameters are divided over TP (:func:`stage_params`), then ZeRO
-    shards them over DP with :func:`trainscale.memory.model_state_groups`.
+    shards them over the ranks that hold the same weights with
+    :func:`trainscale.memory.model_state_groups`: the DP ranks and the
+    ``context_parallel`` ranks, which split the tokens, not the weights
+    (:func:`trainscale.context.gradient_reduce_ranks`, chapter 14).
     """
     per_gpu = stage_params(model, tp, pp, virtual_stages)
-    return dict(_state(per_gpu, _checks.count("dp", dp, minimum=1), zero_stage))
+    return dict(_state(per_gpu, gradient_reduce_ranks(dp, context_parallel), zero_stage))
 
 
 FP32_GRADIENTS = StateDtypes(gradients=torch.float32)
@@ -272,12 +282,13 @@ def _model_state(
     """
     experts = per_stage * model.expert_params_per_layer
     dense_gpu = -(-(stage_total - experts) // t)
-    state = dict(_state(dense_gpu, d * c, zero, fp32))
+    holders = gradient_reduce_ranks(d, c)  # DP x CP hold the same dense weights
+    state = dict(_state(dense_gpu, holders, zero, fp32))
     if not experts:
         return state, dense_gpu
     expert_gpu = -(-experts // (t * ep))
-    group = d * c // ep
+    group = holders // ep
     for key, value in _state(expert_gpu, group, zero, fp32):
         state[key] += value
-    ring, expert_ring = (d * c - 1) / (d * c), (group - 1) / group
+    ring, expert_ring = (holders - 1) / holders, (group - 1) / group
     return state, dense_gpu + math.ceil(expert_gpu * expert_ring / ring if ring else 0)

@@ -74,6 +74,7 @@ import functools
 from trainscale import _checks
 from trainscale.checkpointing import selective_recompute_flops
 from trainscale.compute import FLOPS_PER_PARAM_PER_TOKEN, mfu
+from trainscale.context import gradient_reduce_ranks
 from trainscale.memory import BYTES_PER_PARAM, GIB, OPTIMIZER_STATE, USABLE_MEMORY
 from trainscale.parallel import layer_collectives
 from trainscale.pipeline import bubble as _bubble
@@ -179,7 +180,7 @@ def _evaluate(problem: _Problem, shape: _Shape, opt: _Options) -> Layout:
     _, per_stage, imbalance, stage_total = _stage(model, p, v)
     fp32 = opt.software.gradient_reduce_dtype == "fp32"
     state, per_gpu = _model_state(model, per_stage, stage_total, t, d, c, ep, zero, fp32)
-    dp_ranks = d * c  # the ranks that hold the same dense parameters
+    dp_ranks = gradient_reduce_ranks(d, c)  # the ranks that hold the same dense weights
     grad_bytes = opt.software.gradient_bytes
     activations = _activations(model, t, p, b, m, mode, opt.sequence_parallel, v, c, opt.software)
     memory_parts = {**state, "activations": activations}
