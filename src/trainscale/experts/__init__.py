@@ -1,0 +1,90 @@
+"""Mixture of experts and expert parallelism (chapter 15), one module per section of the chapter.
+
+* :mod:`~trainscale.experts.routing`: the router's top-k and gates, each expert's
+  capacity, the assignments dropped, the Switch Transformer's balancing loss and
+  ST-MoE's router z-loss;
+* :mod:`~trainscale.experts.layer`: :class:`MoELayer`, an independent token-by-token
+  reference (:func:`per_token_reference`), the chapter's inputs, and the balancing loss
+  at work;
+* :mod:`~trainscale.experts.dropless`: the dropless layer (permute, grouped GEMM,
+  unpermute), its padding and its memory traffic;
+* :mod:`~trainscale.experts.traffic`: expert parallelism's all-to-alls, their bytes and
+  their time against the experts' compute;
+* :mod:`~trainscale.experts.groups`: expert parallelism beside TP, PP and DP: which group
+  reduces which gradient, and the model state per GPU.
+
+Everything is re-exported here, so ``from trainscale.experts import X`` and
+``experts.X`` need no submodule.
+"""
+
+from __future__ import annotations
+
+from trainscale.experts.dropless import (
+    GROUPED_MM_DTYPES,
+    can_group,
+    dropless_forward,
+    expert_mlps,
+    padded_rows,
+    padding_flops,
+    permute_bytes,
+    permute_to_compute,
+)
+from trainscale.experts.groups import (
+    data_parallel_size,
+    expert_data_parallel_size,
+    model_state_per_gpu,
+)
+from trainscale.experts.layer import (
+    MoELayer,
+    ReferenceRun,
+    balance_router,
+    per_token_reference,
+    sample_tokens,
+)
+from trainscale.experts.routing import (
+    Routing,
+    dropped_assignments,
+    expert_capacity,
+    load_balancing_loss,
+    rounding_drift,
+    route,
+    router_z_loss,
+)
+from trainscale.experts.traffic import (
+    ALL_TO_ALLS_PER_LAYER,
+    all_to_all_bytes_per_rank,
+    ep_comm_to_compute,
+    link_comm_to_compute,
+    remote_nodes,
+)
+
+__all__ = [
+    "ALL_TO_ALLS_PER_LAYER",
+    "GROUPED_MM_DTYPES",
+    "MoELayer",
+    "ReferenceRun",
+    "Routing",
+    "all_to_all_bytes_per_rank",
+    "balance_router",
+    "can_group",
+    "data_parallel_size",
+    "dropless_forward",
+    "dropped_assignments",
+    "ep_comm_to_compute",
+    "expert_capacity",
+    "expert_data_parallel_size",
+    "expert_mlps",
+    "link_comm_to_compute",
+    "load_balancing_loss",
+    "model_state_per_gpu",
+    "padded_rows",
+    "padding_flops",
+    "per_token_reference",
+    "permute_bytes",
+    "permute_to_compute",
+    "remote_nodes",
+    "rounding_drift",
+    "route",
+    "router_z_loss",
+    "sample_tokens",
+]
