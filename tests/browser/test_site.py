@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import gzip
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,6 +44,13 @@ def _toc_pages() -> list[str]:
 
 
 PAGES = _toc_pages()
+
+
+def _is_chapter(path: str) -> bool:
+    """A numbered chapter (notebooks/NN_name.html), not an appendix (notebooks/a1_...)."""
+    return re.match(r"notebooks/\d+_", path) is not None
+
+
 # The back matter every page links to (from the table of contents in its sidebar).
 BACK_MATTER = [p for p in PAGES if p.startswith("book/") and p != "book/intro.html"]
 
@@ -51,7 +59,7 @@ BACK_MATTER = [p for p in PAGES if p.startswith("book/") and p != "book/intro.ht
 # styles (code, outputs, a collapsed cell, a slider, a quiz). AXE_EVERY_RULE=1 checks
 # colours on every page (about 4 CPU seconds more per chapter).
 COLOUR_PAGES = {p for p in PAGES if not p.startswith("notebooks/")} | {
-    next(p for p in PAGES if p.startswith("notebooks/"))
+    next(p for p in PAGES if _is_chapter(p))
 }
 
 
@@ -198,6 +206,7 @@ def test_page_loads_from_this_site_and_its_sliders_work_without_a_kernel(browser
         if path.startswith("notebooks/"):
             SCREENSHOTS.mkdir(exist_ok=True)
             page.screenshot(path=str(SCREENSHOTS / f"{Path(path).stem}.png"))
+        if _is_chapter(path):  # every chapter has a slider; an appendix need not
             _check_sliders(page)
             assert visit.errors == [], "console errors after moving the sliders"
     finally:
@@ -217,7 +226,7 @@ def test_page_weights_stay_light():
     print(report)
 
 
-@pytest.mark.parametrize("path", [p for p in PAGES if p.startswith("notebooks/")][:1])
+@pytest.mark.parametrize("path", [p for p in PAGES if _is_chapter(p)][:1])
 def test_quiz_keeps_a_running_score_and_hides_its_answer_key(browser, site_url, path):
     """Where scripts run, the first answer opened per question counts; the quiz cell's
     source (every choice with True/False beside it) is not on the page at all."""
