@@ -18,7 +18,13 @@ from dataclasses import dataclass
 from trainscale import _checks, planner
 from trainscale.planner import inputs
 from trainscale.published import GPUS, PublishedRun, published_runs
-from trainscale.software import DEFAULT_SOFTWARE, GRADIENT_REDUCE_DTYPES, SOFTWARE, Software
+from trainscale.software import (
+    DEFAULT_SOFTWARE,
+    GRADIENT_REDUCE_DTYPES,
+    LINEAR_DTYPES,
+    SOFTWARE,
+    Software,
+)
 
 DEFAULT_GPU = "H100-80GB"
 """The GPU of the book's worked example (:data:`trainscale.planner.EXAMPLE_CLUSTER`),
@@ -180,6 +186,13 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="dtype the gradients are accumulated and reduced in (default: the software's)",
     )
+    add(
+        "--linear-dtype",
+        choices=LINEAR_DTYPES,
+        default=None,
+        help="dtype the linear layers multiply in: fp8 on a GPU with FP8 tensor cores"
+        " (less validated than bf16; default: the software's)",
+    )
     depths = ",".join(map(str, planner.INTERLEAVING))
     add(
         "--virtual-stages",
@@ -236,7 +249,7 @@ class Request:
     """The CP degrees searched (``None``: :func:`trainscale.planner.context_parallel_degrees`)."""
 
 
-SOFTWARE_FLAGS = ("fused_attention", "dropout", "gradient_reduce_dtype")
+SOFTWARE_FLAGS = ("fused_attention", "dropout", "gradient_reduce_dtype", "linear_dtype")
 """The fields of :class:`trainscale.software.Software` a flag changes (``--no-dropout``)."""
 
 
