@@ -22,15 +22,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from trainscale import _checks
 from trainscale.compute import FLOPS_PER_PARAM_PER_TOKEN, training_flops
 
+if TYPE_CHECKING:  # torch runs only where tensors do: the byte and time formulas need none
+    import torch
+
 
 def _check_ranks(tensors: Sequence[torch.Tensor], name: str = "tensors") -> int:
     """Number of ranks; every rank must hold a 1-D tensor of the same length and dtype."""
+    import torch
+
     if len(tensors) < 1:
         raise ValueError(f"{name} must hold one tensor per rank (at least 1), got 0")
     first = tensors[0]
@@ -47,6 +51,8 @@ def _check_ranks(tensors: Sequence[torch.Tensor], name: str = "tensors") -> int:
 
 def chunks_of(tensor: torch.Tensor, ranks: int) -> list[torch.Tensor]:
     """Cut ``tensor`` into ``ranks`` contiguous chunks (copies, never views)."""
+    import torch
+
     return [c.clone() for c in torch.tensor_split(tensor, _checks.count("ranks", ranks, 1))]
 
 
@@ -182,6 +188,8 @@ def ring_all_gather(shards: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor],
     ``torch.cat(shards)`` as rank ``r`` assembled it, ``sent[r]`` the elements
     rank ``r`` sent in the ``N - 1`` steps.
     """
+    import torch
+
     if len(shards) < 1:
         raise ValueError("shards must hold one tensor per rank (at least 1), got 0")
     for rank, shard in enumerate(shards):
@@ -208,6 +216,8 @@ def ring_all_reduce(tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor]
     ``2 * (N - 1) * L / N`` for every rank: about twice the tensor, whatever ``N``.
     Integer tensors are summed exactly.
     """
+    import torch
+
     n = _check_ranks(tensors)
     held = [chunks_of(t, n) for t in tensors]
     sent_rs = _ring_phase(held, "reduce-scatter")
@@ -476,3 +486,29 @@ def tp_comm_to_compute(
     comm_seconds = TP_ALL_REDUCES_PER_LAYER * ring_factor(t) * h * size / link
     layer_flops = training_flops(TP_LAYER_WEIGHTS_PER_HIDDEN_SQUARED * h * h, 1)
     return comm_seconds / (layer_flops / t / rate)
+
+
+# --- all-to-all: expert parallelism's traffic (chapter 15) ---------------------------------
+
+ALL_TO_ALLS_PER_LAYER = 4
+"""All-to-alls per MoE layer and micro-batch: dispatch and combine in forward, and
+the same two, reversed, for their gradients in backward."""
+
+
+def all_to_all_bytes_per_rank(
+    tokens: float, hidden: int, top_k: int, ep: int, bytes_per_element: float = 2
+) -> float:
+    """Bytes one rank sends in one all-to-all (dispatch or combine) under even routing.
+
+    Each of the rank's ``tokens`` goes to ``top_k`` experts spread evenly over
+    ``ep`` expert-parallel ranks, so a share ``(ep - 1) / ep`` of the
+    ``tokens * top_k`` copies of ``hidden`` values leaves the rank:
+    ``tokens * hidden * top_k * (ep - 1) / ep * bytes_per_element``. It receives as
+    much; the combine sends the same amount back.
+    """
+    n = _checks.non_negative("tokens", tokens)
+    h = _checks.count("hidden", hidden, minimum=1)
+    k = _checks.count("top_k", top_k, minimum=1)
+    ranks = _checks.count("ep", ep, minimum=1)
+    size = _checks.positive("bytes_per_element", bytes_per_element)
+    return n * h * k * (ranks - 1) / ranks * size

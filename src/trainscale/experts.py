@@ -41,10 +41,10 @@ from torch import nn
 
 from trainscale import _checks
 
-ALL_TO_ALLS_PER_LAYER = 4
-"""All-to-alls per MoE layer and micro-batch: dispatch and combine in forward, and
-the same two, reversed, for their gradients in backward."""
-
+# The all-to-all's bytes live with the other collectives, which the planner imports without
+# torch; chapter 15 reads them here.
+from trainscale.collectives import ALL_TO_ALLS_PER_LAYER
+from trainscale.collectives import all_to_all_bytes_per_rank as all_to_all_bytes_per_rank
 
 # --- capacity and drops ---------------------------------------------------------------------
 
@@ -336,25 +336,6 @@ def per_token_reference(
 
 
 # --- expert parallelism: traffic ------------------------------------------------------------
-
-
-def all_to_all_bytes_per_rank(
-    tokens: float, hidden: int, top_k: int, ep: int, bytes_per_element: float = 2
-) -> float:
-    """Bytes one rank sends in one all-to-all (dispatch or combine) under even routing.
-
-    Each of the rank's ``tokens`` goes to ``top_k`` experts spread evenly over
-    ``ep`` expert-parallel ranks, so a share ``(ep - 1) / ep`` of the
-    ``tokens * top_k`` copies of ``hidden`` values leaves the rank:
-    ``tokens * hidden * top_k * (ep - 1) / ep * bytes_per_element``. It receives as
-    much; the combine sends the same amount back.
-    """
-    n = _checks.non_negative("tokens", tokens)
-    h = _checks.count("hidden", hidden, minimum=1)
-    k = _checks.count("top_k", top_k, minimum=1)
-    ranks = _checks.count("ep", ep, minimum=1)
-    size = _checks.positive("bytes_per_element", bytes_per_element)
-    return n * h * k * (ranks - 1) / ranks * size
 
 
 def link_comm_to_compute(

@@ -36,9 +36,8 @@ from __future__ import annotations
 
 import functools
 
-from trainscale.collectives import ring_factor
+from trainscale.collectives import ALL_TO_ALLS_PER_LAYER, all_to_all_bytes_per_rank, ring_factor
 from trainscale.context import ring_bytes_per_rank
-from trainscale.experts import ALL_TO_ALLS_PER_LAYER, all_to_all_bytes_per_rank
 from trainscale.planner.inputs import Model
 from trainscale.sharding import ZERO_COLLECTIVES
 from trainscale.sharding import zero_collective_bytes as _zero_collective_bytes
