@@ -18,6 +18,7 @@ import torch
 
 from trainscale.memory import DTYPE_BYTES, StateDtypes, state_bytes_per_param
 from trainscale.planner import arguments
+from trainscale.planner import cli as planner_cli
 
 # Small presets that still reach every kind of layout: dense with GQA (Llama 3 8B), a
 # published run with its own stack (GPT 22B), and a mixture of experts (expert parallelism).
@@ -27,6 +28,7 @@ PLANS = """
 import dataclasses, json, math
 from trainscale import planner
 from trainscale.planner import arguments
+from trainscale.planner import cli as planner_cli
 
 def number(x):
     return None if isinstance(x, float) and math.isnan(x) else x
@@ -90,6 +92,7 @@ def test_the_command_line_parses_without_torch():
     # A bad value gets the same message as with torch.
     code = """
 from trainscale.planner import arguments
+from trainscale.planner import cli as planner_cli
 try:
     arguments.parse(["--model", "70b", "--nodes", "0"])
 except ValueError as error:
@@ -115,3 +118,23 @@ def test_a_torch_dtype_counts_as_its_name():
     # 2 + 4 + 4 (copy) + 4 (master) + 4 + 4 = 22 bytes per parameter, either way.
     assert state_bytes_per_param(by_name) == state_bytes_per_param(by_dtype)
     assert sum(state_bytes_per_param(by_dtype).values()) == 22
+
+
+def test_the_command_line_s_json_is_the_same_without_torch_but_for_the_capstone_s_check():
+    # plan_json is what chapter 13's web page runs. Without torch, trainscale.train's own
+    # checks cannot run: the command is layout 1's, marked unchecked, with a note saying so.
+    argv = ["--model", PRESETS[1]]
+    here = planner_cli.plan_json(argv)
+    code = (
+        f"import json\nfrom trainscale.planner import cli\nprint(json.dumps(cli.plan_json({argv})))"
+    )
+    there = json.loads(_in_fresh_interpreter(code))
+    assert here["notes"] == [] and here["command"]["checked"]  # the capstone runs layout 1
+    unchecked = planner_cli.UNCHECKED.format(place=1)
+    assert there.pop("notes") == [unchecked] and not there["command"].pop("checked")
+    split = [line.startswith("to train layout 1") for line in here["text"]].index(True)
+    assert there["text"] == [*here["text"][:split], f"note: {unchecked}", "", *here["text"][split:]]
+    for key in ("notes", "text"):
+        here.pop(key), there.pop(key, None)
+    here["command"].pop("checked")
+    assert there == here
