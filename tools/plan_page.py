@@ -35,7 +35,10 @@ ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "book" / "_extra" / "plan"
 PYODIDE_VERSION = "314.0.8"
 TARBALL = f"https://registry.npmjs.org/pyodide/-/pyodide-{PYODIDE_VERSION}.tgz"
-INTEGRITY = "sha512-74Wq1kXOC+CCEzAfxuRAO701nAcCMLjf8NrwvWpu8S41dVMXwXmLQ05dYB+F4e46AdnGo0oq7YHSVUpHsoarLQ=="
+INTEGRITY = (
+    "sha512-74Wq1kXOC+CCEzAfxuRAO701nAcCMLjf8NrwvWpu8S41dVMX"
+    "wXmLQ05dYB+F4e46AdnGo0oq7YHSVUpHsoarLQ=="
+)
 """``npm view pyodide@314.0.8 dist.integrity``: the tarball's sha512, as the registry has it."""
 PYODIDE_FILES = (
     "pyodide.mjs",  # loadPyodide, the page's entry point (an ES module, for the Web Worker)
