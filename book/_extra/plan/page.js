@@ -118,6 +118,7 @@ function fillChoices() {
   for (const name of Object.keys(choices.gpus)) {
     field("--gpu").append(el("option", { value: name, text: name }));
   }
+  field("--software").append(el("option", { value: "", text: "the preset's own (or the planner's default)" }));
   for (const [name, title] of Object.entries(choices.software)) {
     field("--software").append(el("option", { value: name, text: `${title} (${name})` }));
   }
@@ -188,7 +189,11 @@ function fromQuery() {
   const name = query.has("model") ? query.get("model") : "70b";
   if (name !== CUSTOM && name in choices.models) {
     for (const [flag, value] of Object.entries(presetValues(name))) setValue(flag, value);
-  } else setValue("--model", CUSTOM);
+  } else {
+    setValue("--model", CUSTOM);
+    setValue("--gpu", choices.default_gpu); // the command line's defaults, as with no flag
+    setValue("--software", "");
+  }
   if (!query.has("gpu")) setValue("--gpus-per-node", choices.gpus[getValue("--gpu")].gpus_per_node);
   for (const [flag] of FIELDS) {
     const key = flag.slice(2);
