@@ -1,7 +1,7 @@
 """tools/plan_page.py and the "Plan your run" page's contract with the command line.
 
 No network here: the Pyodide download's check is tried on bytes made up for it. The page
-itself runs in tests/browser/test_plan_page.py.
+itself runs in tests/browser/test_plan_your_run.py.
 """
 
 from __future__ import annotations

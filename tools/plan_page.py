@@ -21,6 +21,7 @@ both next to its script, ``plan/``; no other page loads them.
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import io
 import json
@@ -100,7 +101,8 @@ def fetch_pyodide(folder: Path = OUT / "pyodide") -> Path:
     return folder
 
 
-def planner_files() -> list[Path]:
+@functools.cache
+def planner_files() -> tuple[Path, ...]:
     """The package's files the planner imports without torch (:data:`CLOSURE`), then
     :data:`DATA`."""
     done = subprocess.run(
@@ -118,7 +120,7 @@ def planner_files() -> list[Path]:
     outside = [f for f in files if package not in f.parents]
     if outside:
         raise SystemExit(f"trainscale imported from outside {package}: {outside}")
-    return [*files, *(package / name for name in DATA)]
+    return (*files, *(package / name for name in DATA))
 
 
 def pack_planner(target: Path = OUT / "trainscale.zip") -> Path:

@@ -10,6 +10,7 @@ line's message beside its field, and the page's plan for each model preset is wh
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import parse_qs, urlparse
 
 import pytest
@@ -129,10 +130,12 @@ def _same(page: object, here: object, where: str = "") -> None:
 
 
 def test_the_page_s_plan_is_the_command_line_s_for_each_model_preset(visit):
-    for name in PRESETS:
-        argv = ["--model", name]
-        page = visit.page.evaluate("argv => window.planWith(argv)", argv)
-        here = cli.plan_json(argv)
+    argvs = [["--model", name] for name in PRESETS]
+    with ThreadPoolExecutor(1) as pool:  # this process plans while the page's worker does
+        ours = pool.submit(lambda: [cli.plan_json(argv) for argv in argvs])
+        pages = visit.page.evaluate("all => Promise.all(all.map(window.planWith))", argvs)
+        heres = ours.result()
+    for name, page, here in zip(PRESETS, pages, heres, strict=True):
         # trainscale.train's own checks need torch: on the page the command is layout 1's,
         # unchecked, with a note saying so; the command line runs them.
         assert page["command"]["layout"] == 1 and page["command"].pop("checked") is False
