@@ -86,6 +86,8 @@ def test_the_page_plans_offline_and_answers_its_form(visit):
     assert visit.best() == [layout["name"] for layout in default["best"]]
     assert page.locator(".plan-command code").inner_text() == default["command"]["text"]
     assert page.locator(".plan-bar").count() == 2  # memory against capacity, step time
+    report = page.locator(".plan-text code").text_content()
+    assert default["text"][0] in report and default["command"]["text"] in report
     SCREENSHOTS.mkdir(exist_ok=True)
     page.screenshot(path=str(SCREENSHOTS / "plan_your_run.png"), full_page=True)
 

@@ -392,6 +392,9 @@ function show(data) {
       copyable(data.command.text));
     for (const note of data.command.notes) parts.push(el("p", { class: "plan-note", text: note }));
   }
+  parts.push(el("details", { class: "plan-text" },
+    el("summary", { text: "The same plan as python -m trainscale.planner prints it" }),
+    el("pre", {}, el("code", { text: data.text.join("\n") }))));
   output.replaceChildren(...parts);
 }
 
