@@ -456,6 +456,8 @@ def test_json_is_the_text_report_as_data(capsys):
     assert list(first["times"]) == list(planner.TIME_PARTS)
     assert sum(data["verdicts"].values()) == data["layouts_tried"]
     assert all(lay["verdict"] != "fits" and lay["problems"] for lay in data["rejected"])
+    reasons = [lay["verdict"] for lay in data["rejected"]]  # one layout per reason
+    assert sorted(reasons) == sorted(v for v, n in data["verdicts"].items() if n and v != "fits")
     assert data["command"]["checked"] and data["command"]["text"] in "\n".join(data["text"])
     assert data["request"]["cluster"]["memory_bytes"] == request.cluster.memory_bytes
 

@@ -380,10 +380,13 @@ function show(data) {
   if (data.rejected.length) {
     const list = el("ul", { class: "plan-rejected" });
     for (const layout of data.rejected) {
-      list.append(el("li", {}, el("strong", { text: `${layout.name}, ${layout.settings}: ${layout.verdict}` }),
+      const v = layout.virtual_stages > 1 ? `, V ${layout.virtual_stages}` : "";
+      list.append(el("li", {}, el("strong", { text: `${layout.name}, ${layout.settings}${v}: ${layout.verdict}` }),
         ` (${layout.notes.join("; ")})`));
     }
-    parts.push(el("h3", { text: "Why the fastest rejected layouts are rejected" }), list);
+    parts.push(el("h3", { text: "Why faster layouts are rejected" }),
+      el("p", { text: "For each reason the planner rejects a layout, the fastest layout it rejects:" }),
+      list);
   }
   if (data.published) parts.push(el("p", { class: "plan-published", text: data.published.join(" ") }));
   for (const note of data.notes || []) parts.push(el("p", { class: "plan-note", text: `Note: ${note}` }));

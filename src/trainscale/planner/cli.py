@@ -330,7 +330,7 @@ def _report(request: Request, data: dict) -> tuple[list[str], bool]:
         layouts = [lay for lay in layouts if lay.tp <= request.max_tp]
     best = planner.top_layouts(layouts, count=request.top)
     counts = planner.verdict_counts(layouts)
-    rejected = [lay for lay in layouts if lay.verdict != "fits"][: request.top]
+    rejected = _rejected(layouts)
     data.update(
         layouts_tried=len(layouts),
         verdicts=counts,
@@ -438,6 +438,17 @@ def _request_json(request: Request) -> dict:
     }
 
 
+def _rejected(layouts: Sequence[planner.Layout]) -> list[planner.Layout]:
+    """For each verdict that rejects a layout, the fastest layout it rejects (the planner's
+    ranking), in the order of the ranking."""
+    first: dict[str, planner.Layout] = {}
+    for layout in layouts:
+        if layout.verdict != "fits":
+            first.setdefault(layout.verdict, layout)
+    place = {id(layout): rank for rank, layout in enumerate(layouts)}
+    return sorted(first.values(), key=lambda layout: place[id(layout)])
+
+
 def _flag_at_fault(message: str) -> str | None:
     """The flag an error message is about: the one it starts with (``--nodes must be``),
     else the first it names after ``--model`` (``without --model, give every size: --layers
@@ -478,8 +489,9 @@ def plan_json(argv: Sequence[str]) -> dict:
 
     A plan: ``request`` (what is planned), ``summary`` (the text's first lines),
     ``layouts_tried``, ``verdicts`` (layouts per verdict), ``best`` (the ranked layouts,
-    each with ``mfu_range``, ``memory_parts`` and ``times``), ``rejected`` (the fastest
-    layouts that do not fit, with their ``problems`` and ``notes``), ``published``,
+    each with ``mfu_range``, ``memory_parts`` and ``times``), ``rejected`` (for each
+    verdict that rejects, the fastest layout it rejects, with its ``problems`` and
+    ``notes``), ``published``,
     ``notes``, ``command`` (the ``torchrun`` command of the first layout the capstone
     runs, and whether its checks ran), ``nothing_fits`` or ``error`` where they apply,
     ``text`` (the lines ``python -m trainscale.planner`` prints) and ``fits``. Bad input
