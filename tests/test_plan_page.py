@@ -60,3 +60,12 @@ def test_the_page_colours_each_part_as_the_book_s_figures_do():
     colours = dict(re.findall(r'"([a-z -]+)": "(#[0-9A-Fa-f]{6})"', PAGE_JS))
     for part, colour in {**MEMORY_COLOURS, **TIME_COLOURS}.items():
         assert colours[part].lower() == colour.lower(), part
+
+
+def test_without_the_registry_the_build_says_what_it_needs(tmp_path, monkeypatch):
+    def offline(*args, **kwargs):
+        raise OSError("no network")
+
+    monkeypatch.setattr(plan_page.urllib.request, "urlopen", offline)
+    with pytest.raises(SystemExit, match=r"could not fetch .*npm registry"):
+        plan_page.fetch_pyodide(tmp_path / "pyodide")

@@ -87,8 +87,14 @@ def fetch_pyodide(folder: Path = OUT / "pyodide") -> Path:
     if fetched and all((folder / name).exists() for name in PYODIDE_FILES):
         return folder
     print(f"fetching Pyodide {PYODIDE_VERSION} from the npm registry", flush=True)
-    with urllib.request.urlopen(TARBALL, timeout=120) as response:
-        data = response.read()
+    try:
+        with urllib.request.urlopen(TARBALL, timeout=120) as response:
+            data = response.read()
+    except OSError as error:
+        raise SystemExit(
+            f"could not fetch {TARBALL} ({error}): the plan page needs Pyodide, fetched once"
+            " from the npm registry; build the site again where the registry can be reached"
+        ) from None
     _check(data)
     folder.mkdir(parents=True, exist_ok=True)
     with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
