@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from trainscale import compute
 from trainscale.compute import mfu, step_timeline, training_flops, training_seconds
 
 
@@ -238,3 +239,18 @@ def test_published_utilisation_rejects_bad_rows():
     for field, bad in (("kind", "guess"), ("convention", "?"), ("flops_per_gpu", 3e12)):
         with pytest.raises(ValueError, match=field):
             PublishedUtilisation(**(good | {field: bad}))
+
+
+def test_utilisation_band_is_the_published_training_runs():
+    # Chapter 12's band: MT-NLG on 3,360 GPUs (26.7 % in 6N) to Llama 3 405B's 8K stage
+    # on 8,192 GPUs (40.1 %); benchmarks (Megatron-LM's, Korthikanti's) are left out.
+    low, high = compute.utilisation_band()
+    trained = [
+        r.utilisation("6n")
+        for r in compute.PUBLISHED_UTILISATION
+        if r.kind == "training run" and r.shape.seq_len <= 8192
+    ]
+    assert (low, high) == (min(trained), max(trained))
+    assert round(low, 3) == 0.267 and round(high, 3) == 0.401
+    with pytest.raises(ValueError, match="max_seq_len"):
+        compute.utilisation_band(1)

@@ -6,12 +6,17 @@ from hypothesis import strategies as st
 
 from trainscale.collectives import tp_comm_to_compute
 from trainscale.context import (
+    DOCUMENT_LAYOUTS,
     attention_blocks_per_rank,
     attention_flops_per_rank,
     causal_pairs_per_rank,
     cp_beats_tp_local_tokens,
     cp_comm_to_compute,
     cp_hiding_threshold_tokens,
+    cp_model_state_groups,
+    document_ring_pairs,
+    gradient_reduce_ranks,
+    hybrid_bytes_per_rank,
     kv_block_bytes,
     ring_bytes_per_rank,
     ring_schedule,
@@ -158,3 +163,124 @@ def test_cp_beats_tp_at_nine_h_over_t_minus_one():
 def test_bad_arguments_name_themselves(call, name):
     with pytest.raises(ValueError, match=name):
         call()
+
+
+def test_hybrid_bytes_by_hand():
+    # 16 local tokens, Ulysses over 2, ring over 2; 4 query heads and 1 key-value head of 8,
+    # float64. The key-value head is copied twice, so the all-to-alls send half of
+    # 16 x (2 x 32 + 2 x 8 x 2) values x 8 B = 6,144 B. Then a rank holds 32 tokens of one
+    # key-value head (8 wide): blocks of 32 x 8 x 8 = 2,048 B, passed 2 (R - 1) = 2 times
+    # forward (4,096 B) and 2 (R - 1) + 2 R = 6 times backward (12,288 B).
+    forward = hybrid_bytes_per_rank(16, 2, 2, 32, 8, 8, kv_heads=1)
+    backward = hybrid_bytes_per_rank(16, 2, 2, 32, 8, 8, kv_heads=1, backward=True)
+    assert forward == {"all-to-all": 6144, "ring": 4096}
+    assert backward == {"all-to-all": 6144, "ring": 12288}
+    # 2 key-value heads split over the 2 Ulysses ranks, no copy: 16 x (64 + 32) / 2 x 8 B.
+    assert hybrid_bytes_per_rank(16, 2, 2, 32, 16, 8, kv_heads=2)["all-to-all"] == 6144
+
+
+@given(st.integers(1, 64), st.integers(1, 8), st.sampled_from([8, 64, 4096]))
+def test_hybrid_of_one_kind_is_that_kind(tokens, ranks, width):
+    ring_only = hybrid_bytes_per_rank(tokens, 1, ranks, width)
+    ulysses_only = hybrid_bytes_per_rank(tokens, ranks, 1, ranks * width)
+    assert ring_only == {"all-to-all": 0, "ring": ring_bytes_per_rank(tokens, ranks, width)}
+    assert ulysses_only == {
+        "all-to-all": ulysses_bytes_per_rank(tokens, ranks, ranks * width),
+        "ring": 0,
+    }
+
+
+def test_hybrid_refuses_a_key_width_that_does_not_split():
+    with pytest.raises(ValueError, match="kv_hidden"):
+        hybrid_bytes_per_rank(16, 4, 2, 32, 6)
+    with pytest.raises(ValueError, match="ulysses_ranks"):
+        hybrid_bytes_per_rank(16, 0, 2, 32)
+
+
+def test_document_ring_pairs_by_hand():
+    # Two documents of 6 and 2 tokens, zig-zag on 2 ranks (chunks of 2). Rank 0 holds
+    # 0, 1 (document 0) and 6, 7 (document 1): 1 + 2 and 1 + 2 pairs among its own keys,
+    # none with rank 1's keys 2..5. Rank 1 holds 2..5: with its own keys 1 + 2 + 3 + 4 = 10,
+    # with rank 0's keys 0, 1 two each, 8. Totals 6 and 18: the busiest 1.5 x the mean.
+    assert document_ring_pairs([6, 2], 2, "zigzag") == [[6, 0], [10, 8]]
+    # Contiguous, two documents of 4: each rank holds one whole document, 1+2+3+4 pairs.
+    assert document_ring_pairs([4, 4], 2, "contiguous") == [[10, 0], [10, 0]]
+    # Each document cut into 4 chunks of 1: rank 0 holds 0, 3, 4, 7 (1 + 4 + 1 + 4 = 10
+    # pairs), rank 1 holds 1, 2, 5, 6 (2 + 3 + 2 + 3 = 10).
+    assert [sum(row) for row in document_ring_pairs([4, 4], 2, "per-document zigzag")] == [10, 10]
+
+
+def _held(lengths, ranks, rank, layout):
+    """Positions a rank holds, written out here for the per-document layout."""
+    if layout != "per-document zigzag":
+        return token_positions(sum(lengths), ranks, rank, layout)
+    held, start = [], 0
+    for length in lengths:
+        chunk = length // (2 * ranks)
+        for piece in (rank, 2 * ranks - 1 - rank):
+            held += range(start + piece * chunk, start + (piece + 1) * chunk)
+        start += length
+    return held
+
+
+@given(
+    st.integers(1, 4),
+    st.lists(st.integers(1, 3), min_size=1, max_size=4),
+    st.sampled_from(DOCUMENT_LAYOUTS),
+)
+def test_document_ring_pairs_count_the_mask(ranks, units, layout):
+    # Document lengths in units of 2N, so that every layout applies.
+    lengths = [2 * ranks * u for u in units]
+    document = [d for d, length in enumerate(lengths) for _ in range(length)]
+    got = document_ring_pairs(lengths, ranks, layout)
+    for rank in range(ranks):
+        for step in range(ranks):
+            keys = _held(lengths, ranks, (rank - step) % ranks, layout)
+            seen = sum(
+                1
+                for q in _held(lengths, ranks, rank, layout)
+                for k in keys
+                if k <= q and document[k] == document[q]
+            )
+            assert got[rank][step] == seen
+
+
+@given(st.integers(1, 6), st.integers(1, 6), st.sampled_from(["contiguous", "zigzag"]))
+def test_one_document_is_the_causal_count(ranks, chunk, layout):
+    seq = 2 * ranks * chunk
+    totals = [sum(row) for row in document_ring_pairs([seq], ranks, layout)]
+    assert totals == causal_pairs_per_rank(seq, ranks, layout)
+
+
+def test_document_ring_pairs_refuse_bad_documents():
+    with pytest.raises(ValueError, match="doc_lengths"):
+        document_ring_pairs([], 2)
+    with pytest.raises(ValueError, match="doc_lengths"):
+        document_ring_pairs([6, 2], 2, "per-document zigzag")  # 6 is not a multiple of 4
+    with pytest.raises(ValueError, match="doc_lengths"):
+        document_ring_pairs([3, 2], 2, "zigzag")  # 5 tokens do not cut into 4 chunks
+    with pytest.raises(ValueError, match="layout"):
+        document_ring_pairs([4], 2, "striped")
+
+
+def test_gradients_reduce_over_data_and_context_ranks():
+    assert gradient_reduce_ranks(2, 2) == 4
+    assert gradient_reduce_ranks(8, 16) == 128  # Llama 3's 128K stage: DP 8, CP 16
+    with pytest.raises(ValueError, match="cp"):
+        gradient_reduce_ranks(8, 0)
+
+
+def test_cp_model_state_by_hand():
+    # 1,000 parameters per GPU, DP 2 x CP 2: 2 + 2 + 12 bytes each. ZeRO shards over
+    # 4 ranks: stage 1 the optimiser state (12,000 / 4), stage 2 the gradients too
+    # (2,000 / 4), stage 3 the weights too; stage 0 keeps all 16,000 bytes, CP or not.
+    expected = {
+        0: {"weights": 2000, "gradients": 2000, "optimiser state": 12000},
+        1: {"weights": 2000, "gradients": 2000, "optimiser state": 3000},
+        2: {"weights": 2000, "gradients": 500, "optimiser state": 3000},
+        3: {"weights": 500, "gradients": 500, "optimiser state": 3000},
+    }
+    for stage, parts in expected.items():
+        assert cp_model_state_groups(1000, 2, 2, stage) == parts
+    # Sharded over DP alone it would be twice that: 1,000 / 2 weights under stage 3.
+    assert cp_model_state_groups(1000, 2, 1, 3)["weights"] == 1000

@@ -1,4 +1,6 @@
-"""experts: capacity, routing with drops, the balancing loss, the MoE layer, EP traffic."""
+"""experts: capacity, routing with drops, the balancing loss, the router z-loss and rounding,
+the MoE layer, EP traffic (the modules routing, layer and traffic; dropless and groups have
+test files of their own)."""
 
 import itertools
 import math
@@ -406,3 +408,87 @@ def test_per_token_reference_by_hand():
     gelu = 2 * 0.5 * (1 + math.erf(2 / math.sqrt(2)))
     assert run.output[0].tolist() == pytest.approx([p0 * gelu] * 2)
     assert run.output[1].tolist() == [0.0, 0.0]
+
+
+# --- the router z-loss ------------------------------------------------------------------------
+
+
+def test_router_z_loss_by_hand():
+    # Two equal logits of 0: lse = log 2, (log 2)^2 = 0.480453.
+    assert ex.router_z_loss(torch.zeros(1, 2, dtype=torch.float64)).item() == pytest.approx(
+        0.480453, abs=1e-6
+    )
+    # Logits (log 3, 0, 0): lse = log(3 + 1 + 1) = log 5, (log 5)^2 = 2.590290.
+    logits = torch.tensor([[math.log(3), 0.0, 0.0]], dtype=torch.float64)
+    assert ex.router_z_loss(logits).item() == pytest.approx(2.590290, abs=1e-6)
+    # The mean over tokens: rows of lse 0 and lse log 2 give (0 + 0.480453) / 2.
+    two = torch.tensor([[-math.log(2), -math.log(2)], [0.0, 0.0]], dtype=torch.float64)
+    assert ex.router_z_loss(two).item() == pytest.approx(0.240227, abs=1e-6)
+
+
+@given(
+    st.integers(1, 16),
+    st.floats(-50, 50, allow_nan=False),
+    st.integers(1, 6),
+    st.integers(0, 10_000),
+)
+def test_router_z_loss_sees_the_shift_the_softmax_cannot(n_experts, shift, tokens, seed):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(tokens, n_experts, generator=g, dtype=torch.float64)
+    shifted = logits + shift
+    assert torch.allclose(shifted.softmax(-1), logits.softmax(-1), atol=1e-12)  # same routing
+    lse = torch.logsumexp(logits, -1)
+    # each token's lse moves by the shift, so the loss is the mean of (lse + shift)^2
+    want = ((lse + shift) ** 2).mean().item()
+    assert ex.router_z_loss(shifted).item() == pytest.approx(want, rel=1e-9, abs=1e-9)
+    # equal logits c over E experts: (c + log E)^2; zero at c = -log E
+    equal = torch.full((1, n_experts), shift, dtype=torch.float64)
+    assert ex.router_z_loss(equal).item() == pytest.approx(
+        (shift + math.log(n_experts)) ** 2, rel=1e-9, abs=1e-9
+    )
+    assert ex.router_z_loss(equal - shift - math.log(n_experts)).item() == pytest.approx(
+        0, abs=1e-20
+    )
+
+
+def test_router_z_loss_gradient_lowers_each_logit_by_its_probability():
+    logits = torch.tensor([[2.0, 1.0, -1.0], [0.5, 0.5, 0.0]], dtype=torch.float64)
+    logits.requires_grad_(True)
+    (gradient,) = torch.autograd.grad(ex.router_z_loss(logits), [logits])
+    lse = torch.logsumexp(logits, -1, keepdim=True)
+    expected = 2 * lse * logits.softmax(-1) / logits.shape[0]
+    assert torch.allclose(gradient, expected.detach(), atol=1e-15)
+
+
+def test_router_z_loss_rejects_bad_shapes():
+    for bad in (torch.zeros(3), torch.zeros(0, 4), torch.zeros(2, 0)):
+        with pytest.raises(ValueError, match="logits"):
+            ex.router_z_loss(bad)
+
+
+def test_rounding_drift_by_hand():
+    # 256 + (3.0, 1.2, 0.0) in bfloat16 (spacing 2 above 256): 259 -> 260 (the tie goes to
+    # the even mantissa), 257.2 -> 258, 256 -> 256. The top 2 stay experts 0 and 1 with no
+    # tie; their gates move from e^3 / (e^3 + e^1.2) = 0.858149 to e^4 / (e^4 + e^2)
+    # = 0.880797: by 0.022648.
+    logits = torch.tensor([[3.0, 1.2, 0.0]], dtype=torch.float64) + 256
+    tied, gate = ex.rounding_drift(logits, 2, torch.bfloat16)
+    assert tied == 0 and gate == pytest.approx(0.022648, abs=1e-6)
+    # 256 + (1.0, 0.6, -3.0): 257 -> 256 (tie to even), 256.6 -> 256: experts 0 and 1 tie
+    # for the top 1 (its renormalised gate stays 1).
+    tied, gate = ex.rounding_drift(torch.tensor([[1.0, 0.6, -3.0]]) + 256, 1, torch.bfloat16)
+    assert (tied, gate) == (1, 0.0)
+    # every expert chosen: nothing left to tie with
+    assert ex.rounding_drift(logits, 3, torch.bfloat16)[0] == 0
+
+
+@given(st.integers(0, 10_000), st.floats(-1e3, 1e3, allow_nan=False))
+def test_float64_rounding_moves_nothing(seed, offset):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(8, 5, generator=g, dtype=torch.float64) + offset
+    assert ex.rounding_drift(logits, 2, torch.float64) == (0, 0.0)
+
+
+def test_rounding_drift_rejects_a_non_float_dtype():
+    with pytest.raises(ValueError, match="dtype"):
+        ex.rounding_drift(torch.zeros(2, 3), 1, torch.int32)

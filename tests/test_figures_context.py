@@ -42,3 +42,12 @@ def test_traffic_draws_each_scheme_in_both_panels():
     assert [len(ax.get_lines()) for ax in fig.axes] == [2, 3]  # the right panel's break-even line
     with pytest.raises(ValueError, match="bytes_sent"):
         figures.context_traffic_against_sequence(lengths, {"ring attention": [1.0]}, {}, "t", "s")
+
+
+def test_ring_steps_title_fits_inside_the_figure():
+    # Chapter 14's longest title was clipped at the left when it sat over the grid alone.
+    title = "Causal ring attention on 4 ranks, contiguous split"
+    fig = figures.ring_attention_steps(ring_schedule(4), title, "s")
+    box = fig._suptitle.get_window_extent(fig._get_renderer())
+    assert fig._suptitle.get_text() == title
+    assert box.x0 >= 0 and box.x1 <= fig.bbox.x1

@@ -1,6 +1,7 @@
 """figures.pipeline: chapter 07's pipeline timelines and bubble curves."""
 
 import pytest
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 
 from trainscale.figures import bubble_curves, pipeline_timelines, schedule_comparison, svg_text
 from trainscale.pipeline import bubble, simulate
@@ -66,3 +67,18 @@ def test_schedule_comparison_draws_one_bar_per_schedule_in_each_panel():
         schedule_comparison(timelines, source=" ")
     with pytest.raises(ValueError, match="timelines"):
         schedule_comparison([], source="simulated")
+
+
+def test_schedule_comparison_keeps_every_label_inside_the_figure():
+    # the right panel's axis label ran off the figure's right edge (issue #25)
+    timelines = [simulate("1f1b", 4, 8), simulate("interleaved", 4, 8, chunks=2)]
+    timelines += [simulate("zb-h1", 4, 8), simulate("zb-v", 4, 8)]
+    fig = schedule_comparison(timelines, source="Simulated with trainscale.pipeline.simulate")
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    fig.draw(renderer)
+    box = fig.bbox
+    texts = [ax.xaxis.label for ax in fig.axes] + [fig._supxlabel, fig._suptitle]
+    for text in texts:
+        extent = text.get_window_extent(renderer)
+        assert box.x0 <= extent.x0 and extent.x1 <= box.x1, text.get_text()
+        assert box.y0 <= extent.y0 and extent.y1 <= box.y1, text.get_text()

@@ -29,7 +29,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "published",
         "reliability",
         "context",
-        "experts",
+        "experts.*",
     ),
     # 2: simulations and measurements in one process.
     ("parallel", "loss_scaling", "stability", "efficiency"),
@@ -44,6 +44,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 
 PLANNER_ORDER: tuple[str, ...] = (
     "planner.inputs",
+    "planner.unknowns",
     "planner.memory",
     "planner.traffic",
     "planner.kernels",
@@ -62,7 +63,7 @@ PLANNER_ORDER: tuple[str, ...] = (
 planner is given to its command line: a module may import only those before it (the
 package's ``__init__`` re-exports the model for chapter 13; the command line builds on it)."""
 
-PACKAGE_TEST_FILES = {"planner": "test_planner.py"}
+PACKAGE_TEST_FILES = {"planner": "test_planner.py", "experts": "test_experts.py"}
 """Packages whose modules share one test file: the planner was one module until it was
 split by chapter 13's sections, and ``tests/test_planner.py`` tests it through the
 package's names. A module of such a package with a test file of its own
@@ -259,7 +260,7 @@ def test_test_file_names_follow_the_modules():
 
 def test_the_package_has_only_the_subpackages_the_rules_know():
     folders = {_module_name(p).split(".")[0] for p in PACKAGE.rglob("*/*.py")}
-    assert folders == {"figures", "workers", "planner"}
+    assert folders == {"figures", "workers", "planner", "experts"}
 
 
 # --- the layers -----------------------------------------------------------------------------
@@ -338,6 +339,8 @@ def draw():
     [
         ("_checks", 0),
         ("transformer", 1),
+        ("experts.__init__", 1),
+        ("experts.routing", 1),
         ("efficiency", 2),
         ("workers.__init__", 3),
         ("workers.sharding", 3),

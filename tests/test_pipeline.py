@@ -15,9 +15,12 @@ from trainscale.pipeline import (
     WEIGHT,
     Op,
     Timeline,
+    break_even_overhead,
     bubble,
     bubble_zb_h1,
+    chain_length,
     micro_batches_for_bubble,
+    overhead_for_step,
     replay,
     simulate,
 )
@@ -451,3 +454,98 @@ def test_replay_refuses_an_order_that_deadlocks_and_bad_times():
         replay(simulate("zb-h1", 2, 2), 1, 2, weight=2)
     with pytest.raises(ValueError, match="forward"):
         replay(simulate("zb-h1", 2, 2), 0)
+
+
+# --- an overhead per pass: what the chapter measures beyond the compute --------------------
+
+
+def test_two_stage_1f1b_with_an_overhead_by_hand():
+    # f = 1, b = 2, o = 0.5: every pass starts 0.5 after it could. Stage 0: F0 0.5-1.5,
+    # F1 2-3; stage 1: F0 2-3, B0 3.5-5.5, F1 6-7, B1 7.5-9.5; stage 0: B0 6-8, B1 10-12.
+    # (M + K - 1)(f + b + 2o) = 3 x 4 = 12.
+    timeline = simulate("1f1b", 2, 2, overhead=0.5)
+    assert timeline.ops == (
+        (
+            Op(FORWARD, 0, 0.5, 1.5),
+            Op(FORWARD, 1, 2, 3),
+            Op(BACKWARD, 0, 6, 8),
+            Op(BACKWARD, 1, 10, 12),
+        ),
+        (
+            Op(FORWARD, 0, 2, 3),
+            Op(BACKWARD, 0, 3.5, 5.5),
+            Op(FORWARD, 1, 6, 7),
+            Op(BACKWARD, 1, 7.5, 9.5),
+        ),
+    )
+    assert timeline.busy == (6, 6)  # the overhead is idle time, as in a measured timeline
+
+
+def test_the_chapters_steps_with_an_overhead_by_hand():
+    # K = 4, M = 8, F = B = W = 1: 1F1B (M + K - 1)(F + B + W + 2o) = 33 + 22 o;
+    # ZB-H1 M(F + B + W) + (K - 1)(F + B - W) = 27 with 27 passes on its longest chain,
+    # 27 + 27 o; ZB-V 25.5 + 51 o (48 half-length passes per device and the 3 of the skew)
+    for o in (0.25, 0.5, 2):
+        assert simulate("1f1b", 4, 8, overhead=o).makespan == pytest.approx(33 + 22 * o)
+        assert simulate("zb-h1", 4, 8, overhead=o).makespan == pytest.approx(27 + 27 * o)
+        assert simulate("zb-v", 4, 8, overhead=o).makespan == pytest.approx(25.5 + 51 * o)
+    chains = [chain_length(simulate(name, 4, 8)) for name in ("1f1b", "zb-h1", "zb-v")]
+    assert chains == [22, 27, 51]
+    one_f_one_b = simulate("1f1b", 4, 8)
+    # 33 + 22 o = 27 + 27 o at o = 6/5; 33 + 22 o = 25.5 + 51 o at o = 7.5/29
+    assert break_even_overhead(simulate("zb-h1", 4, 8), one_f_one_b) == pytest.approx(1.2)
+    assert break_even_overhead(simulate("zb-v", 4, 8), one_f_one_b) == pytest.approx(7.5 / 29)
+    # in seconds, with F = 40 ms: 48 ms; the answer scales with the pass times
+    limit = break_even_overhead(simulate("zb-h1", 4, 8), one_f_one_b, 0.04)
+    assert limit == pytest.approx(0.048)
+
+
+@given(st.sampled_from(["gpipe", "1f1b"]), stages, micro_batches, times, times, times)
+def test_gpipe_and_1f1b_pay_the_overhead_twice_per_slot(schedule, k, m, f, b, o):
+    # the longest chain: M + K - 1 slots of one forward and one backward
+    timeline = simulate(schedule, k, m, f, b, overhead=o)
+    assert timeline.makespan == pytest.approx((m + k - 1) * (f + b + 2 * o))
+    assert chain_length(simulate(schedule, k, m)) == 2 * (m + k - 1)
+
+
+@given(
+    st.sampled_from(["1f1b", "zb-h1", "zb-v", "interleaved"]),
+    st.integers(2, 4),
+    st.integers(1, 3),
+    st.floats(0, 5),
+)
+def test_the_overhead_fitted_to_a_step_is_the_one_that_made_it(schedule, k, groups, o):
+    chunks = 2 if schedule == "interleaved" else 1
+    timeline = simulate(schedule, k, k * groups, 1, 2, chunks=chunks)
+    step = replay(timeline, 1, 2, overhead=o).makespan
+    assert overhead_for_step(timeline, step, 1, 2) == pytest.approx(o, abs=1e-6)
+    # the replayed step grows by at least the chain's count of passes times the overhead
+    assert step >= replay(timeline).makespan + o - 1e-9
+    assert step <= replay(timeline).makespan + chain_length(timeline) * o + 1e-9
+
+
+@given(st.sampled_from(["zb-h1", "zb-v"]), st.integers(2, 6), st.integers(1, 3))
+def test_at_the_break_even_overhead_both_steps_are_equal(schedule, k, groups):
+    m = k * groups
+    baseline, timeline = simulate("1f1b", k, m), simulate(schedule, k, m)
+    limit = break_even_overhead(timeline, baseline)
+    at = [replay(t, overhead=limit).makespan for t in (timeline, baseline)]
+    assert at[0] == pytest.approx(at[1], rel=1e-6)
+    below = [replay(t, overhead=0.99 * limit).makespan for t in (timeline, baseline)]
+    assert below[0] < below[1]
+
+
+def test_the_overhead_functions_refuse_what_has_no_answer():
+    one_f_one_b = simulate("1f1b", 4, 8)
+    # fewer micro-batches: faster, and a shorter chain, so no overhead makes it slower
+    assert break_even_overhead(simulate("1f1b", 4, 4), one_f_one_b) == math.inf
+    with pytest.raises(ValueError, match="faster"):
+        break_even_overhead(one_f_one_b, simulate("zb-h1", 4, 8))
+    with pytest.raises(ValueError, match="step"):
+        overhead_for_step(one_f_one_b, 32, 1)  # shorter than 33, the step with none
+    with pytest.raises(ValueError, match="overhead"):
+        simulate("1f1b", 4, 8, overhead=-1)
+    with pytest.raises(ValueError, match="overhead"):
+        replay(one_f_one_b, overhead=float("nan"))
+    with pytest.raises(ValueError, match="weight"):
+        break_even_overhead(simulate("zb-h1", 4, 8), one_f_one_b, 1, 2, weight=2)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from trainscale import published as P
 from trainscale.published import GPUS, PublishedRun, published_runs
 from trainscale.software import SOFTWARE
 
@@ -84,9 +85,9 @@ def test_calibration_runs_consistent_and_cited():
     bib = (Path(__file__).parents[1] / "book" / "references.bib").read_text()
     keys = set(re.findall(r"@\w+\{([^,]+),", bib))
     runs = published_runs()
-    assert (
-        len(runs) == 34
-    )  # Narayanan Tables 1 (10) and 2 (12), Korthikanti (9), BLOOM, Llama 3 (2)
+    # Narayanan Tables 1 (10) and 2 (12), Korthikanti (9), BLOOM, Llama 3 (2); Megatron-Core's
+    # H100 weak (9) and strong (2) scaling, torchtitan's H100 FSDP runs (4)
+    assert len(runs) == 34 + 15
     assert len({run.name for run in runs}) == len(runs)
     for run in runs:
         assert re.search(r"bib key (\w+)", run.source).group(1) in keys
@@ -97,7 +98,7 @@ def test_calibration_runs_consistent_and_cited():
         6,
         3072,
     )
-    llama = [run for run in runs if run.name.startswith("Llama 3")]
+    llama = [run for run in runs if run.name.startswith("Llama 3 405B")]
     assert [run.tokens_per_step for run in llama] == [16 * 2**20] * 2  # 16M tokens
     # Korthikanti et al. Table 5 publishes iteration times: taken as they are.
     assert _run("GPT 1T on 512 A100s (DP 1), selective recompute").step_seconds == 71.49
@@ -130,6 +131,32 @@ def test_llama3_step_seconds_by_hand():
     assert run.step_seconds == pytest.approx(12.54, abs=0.01)
 
 
+def test_megatron_core_h100_step_seconds_by_hand():
+    # The weak-scaling table's 462B: l = 112, h = 18,432, V = 131,072, s = 4,096, batch
+    # 3,072, 459.9 TFLOP/s on each of 6,144 GPUs. Megatron-Core r0.8.0 logs 12 B s l h^2
+    # (2 + s/h + 4 + V / (2 l h)) FLOPs per step for a GPT of this shape (n = l layers).
+    run = _run("GPT 462B on 6,144 H100s (Megatron-Core)")
+    h, n, s, v, b = 18432, 112, 4096, 131072, 3072
+    flops = 12 * b * s * n * h * h * (2 + s / h + 4 + v / (2 * n * h))
+    assert run.step_seconds == pytest.approx(flops / (459.9e12 * 6144), rel=1e-12)
+    assert run.params == 12 * n * h * h + 13 * n * h + (2 * v + s) * h  # untied: 461.5B
+    assert run.params == pytest.approx(461.54e9, rel=1e-4)
+    # The strong-scaling end: 42 % of 989 TFLOP/s on 4,608 GPUs, the 177B model.
+    strong = _run("GPT 177B on 4,608 H100s (Megatron-Core, strong scaling)")
+    h, n = 12288, 96
+    flops = 12 * 1152 * s * n * h * h * (2 + s / h + 4 + v / (2 * n * h))
+    assert strong.step_seconds == pytest.approx(flops / (0.42 * 989e12 * 4608), rel=1e-12)
+    assert (strong.tp, strong.pp, strong.dp) == (8, 6, 96)
+
+
+def test_torchtitan_step_seconds_by_hand():
+    # Table 1: 5,762 tokens per second per GPU on 8 GPUs, 16 sequences of 8,192 tokens.
+    run = _run("Llama 3.1 8B on 8 H100s (torchtitan FSDP)")
+    assert run.step_seconds == pytest.approx(16 * 8192 / (5762 * 8), rel=1e-12)
+    assert (run.zero_stage, run.recompute, run.micro_batch) == (3, "selective", 2)
+    assert run.gpu == "H100-96GB-500W" and run.software.name == "torchtitan-2024"
+
+
 def test_tied_embeddings_read_off_the_parameter_count():
     megatron = _run("GPT 18.4B on 256 A100s")
     llama = _run("Llama 3 405B on 8,192 H100s, 8K tokens")
@@ -159,3 +186,20 @@ def test_bad_records_are_named():
     unpublished = PublishedRun(**(good | {"ffn_hidden": None}))
     with pytest.raises(ValueError, match="not published"):
         _ = unpublished.tied_embeddings
+
+
+def test_calculons_validation_rows_are_published_runs():
+    source, rows = P.calculon_validation()
+    assert (
+        "caa4b11" in source and "llm-validation" in source and "bib key isaev2023calculon" in source
+    )
+    runs = {run.name: run for run in published_runs()}
+    assert len(rows) == 8
+    for row in rows:
+        # Calculon's 'Profile' column is Table 5's measured step, as the run's own (to 0.01 s)
+        assert row.measured_seconds == pytest.approx(runs[row.run].step_seconds, abs=0.01)
+    errors = [abs(r.calculon_seconds / r.measured_seconds - 1) for r in rows]
+    # the figures Calculon's script prints, mean 3.65 % and max 8.87 %, to the rounding of
+    # its 'Calc' column to 0.01 s (34.47 s gives 8.88 %)
+    assert sum(errors) / 8 == pytest.approx(0.0365, abs=2e-4)
+    assert max(errors) == pytest.approx(0.0887, abs=2e-4)

@@ -1,7 +1,8 @@
 """workers.experts, beyond what notebook 15 checks when it runs the worker on 4 real ranks
 (top-2, renormalised gates, four capacity factors, two routers): the dispatch order, where
 the received rows go, the splits refused before any communication, and one cheap 2-rank
-run of a Switch-style top-1 layer."""
+run of a Switch-style top-1 layer; for the folded layout (notebook 15 runs EP 2 x EDP 2):
+the local experts' permutation, the refusals, and the two other ways of splitting 4 ranks."""
 
 import pytest
 import torch
@@ -90,3 +91,47 @@ def test_switch_style_top_1_on_two_ranks_equals_the_per_token_reference():
     assert [g["bytes received"]["dispatch"][1 - r] for r, g in enumerate(got)] == [
         n * hidden * 8 for n in crossing
     ]
+
+
+# --- expert parallelism folded into data parallelism ------------------------------------------
+
+
+def test_local_experts_meet_their_rows():
+    state = wx.folding_state(4, 6, 4)
+    rows = ex.sample_tokens(5, 4, seed=3)
+    # from rank 0: 1 row for my expert 0, 2 for expert 1; from rank 1: 2 rows for expert 0
+    counts = torch.tensor([[1, 2], [2, 0]])
+    out = wx._local_experts(rows, counts, state["w_up"][2:], state["w_down"][2:])
+    layer = ex.MoELayer(4, 6, 4)
+    for i, expert in enumerate([2, 3, 3, 2, 2]):
+        assert torch.allclose(out[i], layer.expert(expert, rows[i : i + 1])[0], atol=1e-15)
+
+
+def test_folding_worker_refuses_before_communicating():
+    state = wx.folding_state(4, 6, 4)
+    with pytest.raises(ValueError, match="ep must divide"):
+        wx.folding_worker(0, 4, state, 16, 2, 3)
+    with pytest.raises(ValueError, match="tokens must be divisible"):
+        wx.folding_worker(0, 4, state, 18, 2, 2)
+    with pytest.raises(ValueError, match="missing"):
+        wx.folding_worker(0, 4, {"router": state["router"]}, 16, 2, 2)
+
+
+@pytest.mark.slow  # real gloo ranks, twice
+@pytest.mark.parametrize("ep", [1, 4])
+def test_folding_with_all_or_no_expert_parallelism_equals_the_reference(ep):
+    """EP 4 (every expert on one rank, EDP 1: no expert reduction) and EP 1 (every rank holds
+    every expert, EDP 4: the experts reduce like the dense weights)."""
+    state = wx.folding_state(8, 16, 4, seed=2)
+    results = run_ranks(wx.folding_worker, 4, state, 32, 2, ep, 1, 1.5, 0.25, timeout=120)
+    reference = wx.folding_reference(state, 32, 2, 1, 1.5, 0.25)
+    for result in results:
+        first, last = result["experts"]
+        assert last - first + 1 == 4 // ep
+        for name in wx.FOLDING_WEIGHTS:
+            want = {key: reference[key][name] for key in ("gradients", "weights")}
+            if name in ("w_up", "w_down"):
+                want = {key: value[first : last + 1] for key, value in want.items()}
+            for key in ("gradients", "weights"):
+                assert torch.allclose(result[key][name], want[key], rtol=0, atol=1e-13)
+    assert results[0]["groups"]["edp"] == [list(range(r, 4, ep)) for r in range(ep)]

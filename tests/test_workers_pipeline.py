@@ -194,6 +194,30 @@ def test_simulated_compute_with_a_weight_pass_keeps_its_output_and_splits_its_ba
         wp.SimulatedCompute(0.0, 0.001, 0.002)
 
 
+def test_simulated_compute_changes_its_times_and_keeps_its_shape():
+    # a step of empty passes: the same split graph, every time zero
+    layer = wp.SimulatedCompute(0.0, 0.002, 0.001)
+    layer.set_times(0.0, 0.0, 0.0)
+    x = torch.randn(2, 3, requires_grad=True)
+    layer(x).sum().backward()
+    assert [kind for kind, _, _ in layer.events] == [FORWARD, INPUT, WEIGHT]
+    assert "weight_s=0" in repr(layer)
+    split = wp.SimulatedCompute(split=True)  # split, though it starts with no time
+    assert split.split and split.clock.shape == ()
+    plain = wp.SimulatedCompute(0.01, 0.02)
+    assert not plain.split and not hasattr(plain, "clock")
+    plain.set_times(0.0, 0.0)
+    assert (plain.forward_s, plain.backward_s, plain.weight_s) == (0.0, 0.0, 0.0)
+    with pytest.raises(ValueError, match="weight_s must be 0"):
+        plain.set_times(0.0, 0.02, 0.01)
+    with pytest.raises(ValueError, match="weight_s must be at most"):
+        layer.set_times(0.0, 0.001, 0.002)
+    with pytest.raises(ValueError, match="forward_s"):
+        layer.set_times(-1.0, 0.0)
+    with pytest.raises(ValueError, match="split"):
+        wp.SimulatedCompute(split=1)
+
+
 def test_pytorchs_split_backward_runs_each_half_in_its_own_pass():
     from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
@@ -261,8 +285,23 @@ def test_zero_bubble_timelines_from_rank_results():
     per_rank = [{"schedule": "zb-h1", "micro_batches": 1, "chunks": 1, "steps": [s]} for s in steps]
     (only,) = wp.timelines(per_rank)
     assert only == simulate("zb-h1", 2, 1)
+    # a step of empty passes: the same passes, of no length, 0.5 apart on each rank
+    for result, ops in zip(per_rank, steps, strict=True):
+        empty = [(kind, mb, 0.5 * i, 0.5 * i, c) for i, (kind, mb, _, _, c) in enumerate(ops)]
+        result["empty_steps"] = [empty]
+    (idle,) = wp.timelines(per_rank, "empty_steps")
+    assert idle.makespan == 1.0 and idle.busy == (0, 0)
     with pytest.raises(ValueError, match="per_rank"):
         wp.timelines([])
+    with pytest.raises(ValueError, match="key"):
+        wp.timelines(per_rank, "cpu")
+
+
+def test_hop_latency_refuses_before_any_communication():
+    with pytest.raises(ValueError, match="world_size"):
+        wp.hop_latency(0, 1)
+    with pytest.raises(ValueError, match="hops"):
+        wp.hop_latency(0, 2, 0)
 
 
 @pytest.mark.slow  # two real gloo ranks
@@ -292,3 +331,17 @@ def test_zero_bubble_worker_reports_a_schedule_pytorch_refuses():
     # 2 x 5,120 bytes x 2 (float64) = 20,480; the last stage also keeps one micro-batch's
     # loss (2 x 2 x 32 values x 8 bytes = 1,024) until its B
     assert (ran["peak_saved_bytes"], ran_1["peak_saved_bytes"]) == ([20_480], [21_504])
+    # beside the timed step, one step of empty passes: the same passes, and its CPU time
+    for result in (ran, ran_1):
+        (step,), (empty,) = result["steps"], result["empty_steps"]
+        assert [op[:2] for op in empty] == [op[:2] for op in step]
+        assert len(result["cpu_s"]) == 1 and result["cpu_s"][0] > 0
+
+
+@pytest.mark.slow  # two real gloo ranks
+def test_hop_latency_on_two_ranks():
+    before = own_children()
+    first, second = run_ranks(wp.hop_latency, 2, 5, timeout=120)
+    time.sleep(0.2)
+    assert own_children() <= before, "processes left behind"
+    assert first > 0 and second > 0

@@ -476,7 +476,7 @@ def tp_comm_to_compute(
     each all-reduce by a reduce-scatter and an all-gather, the same bytes, as long as
     backward keeps the gathered inputs (PyTorch's DTensor plan); Megatron-LM, which
     gathers them again in backward to reach ``34 sbh / t``, sends a quarter more
-    (:func:`trainscale.parallel.layer_collective_bytes`).
+    (:func:`layer_collective_bytes`).
     """
     t = _checks.count("shards", shards, minimum=1)
     h = _checks.count("hidden", hidden, minimum=1)
@@ -488,27 +488,56 @@ def tp_comm_to_compute(
     return comm_seconds / (layer_flops / t / rate)
 
 
-# --- all-to-all: expert parallelism's traffic (chapter 15) ---------------------------------
+# --- one tensor-parallel layer's collectives, with and without sequence parallelism (ch 06) -
 
-ALL_TO_ALLS_PER_LAYER = 4
-"""All-to-alls per MoE layer and micro-batch: dispatch and combine in forward, and
-the same two, reversed, for their gradients in backward."""
+SEQUENCE_PARALLEL_STYLES = ("none", "keep gathered", "re-gather")
+"""How a layer runs sequence parallelism (:func:`layer_collectives`): not at all
+(Megatron's tensor parallelism alone), keeping each all-gathered input whole for
+backward (PyTorch's DTensor plan: ``SequenceParallel`` + ``PrepareModuleInput``, as
+in torchtitan), or keeping only the ``s/t`` shard and all-gathering it again in
+backward (Megatron-LM, Korthikanti et al. section 4.2.2)."""
 
 
-def all_to_all_bytes_per_rank(
-    tokens: float, hidden: int, top_k: int, ep: int, bytes_per_element: float = 2
-) -> float:
-    """Bytes one rank sends in one all-to-all (dispatch or combine) under even routing.
+def layer_collectives(style: str = "none") -> dict[str, dict[str, int]]:
+    """The collectives one tensor-parallel transformer layer runs per micro-batch, by pass.
 
-    Each of the rank's ``tokens`` goes to ``top_k`` experts spread evenly over
-    ``ep`` expert-parallel ranks, so a share ``(ep - 1) / ep`` of the
-    ``tokens * top_k`` copies of ``hidden`` values leaves the rank:
-    ``tokens * hidden * top_k * (ep - 1) / ep * bytes_per_element``. It receives as
-    much; the combine sends the same amount back.
+    Each is of one ``tokens x hidden`` activation (or its gradient). Tensor parallelism
+    alone: an all-reduce at the end of attention and of the MLP in forward, and one
+    for each block's input gradient in backward. With sequence parallelism each
+    all-reduce becomes its two halves: forward all-gathers the tokens where a block
+    starts and reduce-scatters them where it ends; backward all-gathers the output
+    gradient and reduce-scatters the input gradient. ``"re-gather"`` (Megatron-LM)
+    adds one all-gather per block in backward: the column-parallel product's input,
+    kept as the ``s/t`` shard, gathered again for its weight gradient. ``style`` is one
+    of :data:`SEQUENCE_PARALLEL_STYLES`.
     """
-    n = _checks.non_negative("tokens", tokens)
-    h = _checks.count("hidden", hidden, minimum=1)
-    k = _checks.count("top_k", top_k, minimum=1)
-    ranks = _checks.count("ep", ep, minimum=1)
-    size = _checks.positive("bytes_per_element", bytes_per_element)
-    return n * h * k * (ranks - 1) / ranks * size
+    kind = _checks.choice("style", style, SEQUENCE_PARALLEL_STYLES)
+    if kind == "none":
+        return {"forward": {"all-reduce": 2}, "backward": {"all-reduce": 2}}
+    again = 2 if kind == "re-gather" else 0
+    return {
+        "forward": {"all-gather": 2, "reduce-scatter": 2},
+        "backward": {"all-gather": 2 + again, "reduce-scatter": 2},
+    }
+
+
+def layer_collective_bytes(
+    tokens: int, hidden: int, shards: int, bytes_per_value: int = 2, style: str = "none"
+) -> float:
+    """Bytes one device sends per layer and micro-batch in :func:`layer_collectives`.
+
+    Each collective is of a ``tokens x hidden`` tensor of ``bytes_per_value`` bytes,
+    sent around a ring of ``shards`` devices: ``2(N-1)/N`` of it for an all-reduce,
+    ``(N-1)/N`` for each half (:func:`ring_factor`). Tensor
+    parallelism alone and the ``"keep gathered"`` plan send the same bytes, eight
+    half-collectives; ``"re-gather"`` sends ten, a quarter more.
+    """
+    t = _checks.count("tokens", tokens, minimum=1)
+    d = _checks.count("hidden", hidden, minimum=1)
+    n = _checks.count("shards", shards, minimum=1)
+    size = _checks.count("bytes_per_value", bytes_per_value, minimum=1)
+    return sum(
+        count * ring_factor(n, kind) * t * d * size
+        for counts in layer_collectives(style).values()
+        for kind, count in counts.items()
+    )

@@ -474,6 +474,22 @@ class Budget:
         return self.seconds / 86_400
 
 
+def utilisation_band(max_seq_len: int = 8192) -> tuple[float, float]:
+    """``(lowest, highest)`` 6N utilisation of the published *training runs* of
+    :data:`PUBLISHED_UTILISATION` (not benchmarks) at up to ``max_seq_len`` tokens per
+    sequence: the band chapter 12 holds a measured MFU against, and chapter 13 a planned
+    one."""
+    longest = _checks.count("max_seq_len", max_seq_len, minimum=1)
+    shares = [
+        run.utilisation("6n")
+        for run in PUBLISHED_UTILISATION
+        if run.kind == "training run" and run.shape.seq_len <= longest
+    ]
+    if not shares:
+        raise ValueError(f"max_seq_len leaves no published training run, got {max_seq_len}")
+    return min(shares), max(shares)
+
+
 def training_budget(
     params: float,
     tokens: float,

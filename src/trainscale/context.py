@@ -27,14 +27,23 @@ This module holds the chapter's formulas: which tokens each rank holds
 each rank sends (:func:`ring_bytes_per_rank`, :func:`ulysses_bytes_per_rank`), how
 DeepSpeed-Ulysses deals out the heads (:func:`ulysses_heads_per_rank`,
 :func:`ulysses_kv_replicas`),
-and when the ring's traffic hides under its compute, against tensor
-parallelism's (:func:`cp_comm_to_compute`, :func:`cp_beats_tp_local_tokens`).
+when the ring's traffic hides under its compute, against tensor
+parallelism's (:func:`cp_comm_to_compute`, :func:`cp_beats_tp_local_tokens`);
+the bytes of Ulysses and the ring combined (:func:`hybrid_bytes_per_rank`);
+the work of each rank when documents are packed into one sequence
+(:func:`document_ring_pairs`); and where CP sits in the whole layout: its ranks
+hold the same weights, so gradients are reduced, and ZeRO shards, over the data-
+and context-parallel ranks together (:func:`gradient_reduce_ranks`,
+:func:`cp_model_state_groups`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from trainscale import _checks
 from trainscale.collectives import tp_comm_to_compute
+from trainscale.memory import StateDtypes, model_state_groups
 
 LAYOUTS = ("contiguous", "zigzag")
 """How the sequence is dealt out: in ``N`` contiguous slices, or zig-zag in ``2N`` chunks."""
@@ -342,3 +351,150 @@ def cp_beats_tp_local_tokens(
         peak_flops, mfu, link_bandwidth, bytes_per_value, kv_share, causal
     )
     return threshold / tp_ratio
+
+
+def hybrid_bytes_per_rank(
+    local_tokens: int,
+    ulysses_ranks: int,
+    ring_ranks: int,
+    hidden: int,
+    kv_hidden: int | None = None,
+    bytes_per_value: float = 2,
+    batch: int = 1,
+    *,
+    kv_heads: int | None = None,
+    backward: bool = False,
+) -> dict[str, float]:
+    """Bytes one rank sends for one layer of Ulysses inside a ring (USP, Fang & Zhao 2024).
+
+    ``N = U R`` ranks: all-to-alls over groups of ``U`` (``ulysses_ranks``), then a
+    ring over ``R`` (``ring_ranks``). The all-to-alls send
+    :func:`ulysses_bytes_per_rank` for ``L`` local tokens on ``U`` ranks. After them a
+    rank holds ``U L`` tokens of ``kv_hidden r / U`` key width (``r`` =
+    :func:`ulysses_kv_replicas`), and the ring sends :func:`ring_bytes_per_rank` of
+    that, blocks of ``b L h_kv r`` values: the block of a plain ring over ``N`` ranks,
+    passed ``R - 1`` times instead of ``N - 1``. Returns ``{"all-to-all": ..., "ring": ...}``.
+    """
+    u = _checks.count("ulysses_ranks", ulysses_ranks, minimum=1)
+    r = _checks.count("ring_ranks", ring_ranks, minimum=1)
+    tokens = _checks.count("local_tokens", local_tokens, minimum=1)
+    width = _checks.count("hidden", hidden, minimum=1)
+    kv_width = width if kv_hidden is None else _checks.count("kv_hidden", kv_hidden, minimum=1)
+    copies = 1 if kv_heads is None else ulysses_kv_replicas(kv_heads, u)
+    if (kv_width * copies) % u:
+        raise ValueError(f"kv_hidden must split over ulysses_ranks = {u}, got {kv_width}")
+    a2a = ulysses_bytes_per_rank(
+        tokens, u, width, kv_width, bytes_per_value, batch, kv_heads=kv_heads
+    )
+    ring = ring_bytes_per_rank(
+        u * tokens, r, kv_width * copies // u, bytes_per_value, batch, backward=backward
+    )
+    return {"all-to-all": a2a, "ring": ring}
+
+
+DOCUMENT_LAYOUTS = (*LAYOUTS, "per-document zigzag")
+"""Layouts of a packed sequence: :data:`LAYOUTS` over the whole sequence, or each
+document cut into ``2N`` chunks of its own, rank ``r`` taking chunks ``r`` and ``2N-1-r``."""
+
+
+def _segments(lengths: list[int], ranks: int, rank: int, layout: str) -> list[tuple[int, int, int]]:
+    """``(document, first, end)``: the runs of positions ``rank`` holds, cut at documents."""
+    starts = [sum(lengths[:i]) for i in range(len(lengths) + 1)]
+    if layout == "contiguous":
+        local = starts[-1] // ranks
+        return _cut([(rank * local, (rank + 1) * local)], starts)
+    pieces = (rank, 2 * ranks - 1 - rank)
+    if layout == "zigzag":
+        chunk = starts[-1] // (2 * ranks)
+        return _cut([(p * chunk, (p + 1) * chunk) for p in pieces], starts)
+    runs = []
+    for doc, length in enumerate(lengths):
+        chunk = length // (2 * ranks)
+        runs += [(doc, starts[doc] + p * chunk, starts[doc] + (p + 1) * chunk) for p in pieces]
+    return runs
+
+
+def _cut(runs: list[tuple[int, int]], starts: list[int]) -> list[tuple[int, int, int]]:
+    """Each run ``[first, end)`` cut where a document starts: ``(document, first, end)``."""
+    return [
+        (doc, max(first, starts[doc]), min(end, starts[doc + 1]))
+        for first, end in runs
+        for doc in range(len(starts) - 1)
+        if max(first, starts[doc]) < min(end, starts[doc + 1])
+    ]
+
+
+def _causal_pairs(queries: tuple[int, int], keys: tuple[int, int]) -> int:
+    """Pairs ``key <= query`` for queries in ``[qa, qb)`` and keys in ``[ka, kb)``."""
+    (qa, qb), (ka, kb) = queries, keys
+
+    def tri(n: int) -> int:
+        return n * (n + 1) // 2
+
+    lo, hi = max(qa, ka), min(qb, kb)  # queries inside the keys' run see ka .. q
+    inside = tri(hi - ka) - tri(lo - ka) if hi > lo else 0
+    return inside + max(0, qb - max(qa, kb)) * (kb - ka)  # later queries see all of them
+
+
+def document_ring_pairs(
+    doc_lengths: Sequence[int], ranks: int, layout: str = "zigzag"
+) -> list[list[int]]:
+    """Visible (query, key) pairs of each ring step under a document mask: ``[rank][step]``.
+
+    Documents of ``doc_lengths`` tokens are packed into one sequence; a query sees
+    the keys of its own document up to itself (block-diagonal causal). Rank ``r``'s
+    step ``i`` pairs its queries with the keys of rank ``(r - i) mod N``, as in
+    :func:`ring_schedule`; the sum of a row is the rank's whole work, whatever way the
+    keys reach it (a ring or an all-gather). ``layout`` is one of
+    :data:`DOCUMENT_LAYOUTS`; ``per-document zigzag`` needs every length divisible
+    by ``2N``. A token at position ``p`` of its document sees ``p + 1`` keys, so one
+    document of ``S`` tokens gives :func:`causal_pairs_per_rank`.
+    """
+    n = _checks.count("ranks", ranks, minimum=1)
+    lengths = [_checks.count("doc_lengths", x, minimum=1) for x in doc_lengths]
+    if not lengths:
+        raise ValueError("doc_lengths must list at least one document, got []")
+    chosen = _checks.choice("layout", layout, DOCUMENT_LAYOUTS)
+    chunks = n if chosen == "contiguous" else 2 * n
+    if chosen == "per-document zigzag" and any(x % chunks for x in lengths):
+        raise ValueError(f"doc_lengths must each be divisible by 2N = {chunks}, got {lengths}")
+    if sum(lengths) % chunks:
+        raise ValueError(f"doc_lengths must add up to a multiple of {chunks}, got {lengths}")
+    runs = [_segments(lengths, n, r, str(chosen)) for r in range(n)]
+    return [
+        [
+            sum(
+                _causal_pairs((qa, qb), (ka, kb))
+                for doc, qa, qb in runs[r]
+                for key_doc, ka, kb in runs[(r - step) % n]
+                if key_doc == doc
+            )
+            for step in range(n)
+        ]
+        for r in range(n)
+    ]
+
+
+def gradient_reduce_ranks(dp: int, cp: int) -> int:
+    """Ranks that hold the same weights and reduce their gradients together: ``DP x CP``.
+
+    Context-parallel ranks hold the whole layer (CP splits the tokens, not the
+    weights), each computing the gradient of its own tokens, so the gradients are
+    summed over the CP ranks as well as the DP ranks: Megatron-Core's
+    ``get_data_parallel_group(with_context_parallel=True)``, torchtitan's FSDP mesh
+    of ``dp_shard x cp``.
+    """
+    return _checks.count("dp", dp, minimum=1) * _checks.count("cp", cp, minimum=1)
+
+
+def cp_model_state_groups(
+    params: float, dp: int, cp: int, zero_stage: int = 0, dtypes: StateDtypes | None = None
+) -> dict[str, int]:
+    """Bytes of weights, gradients and optimiser state on one GPU with DP and CP.
+
+    :func:`trainscale.memory.model_state_groups` over :func:`gradient_reduce_ranks`
+    GPUs: ZeRO (or FSDP) shards each part it shards over ``DP x CP`` ranks, not ``DP``
+    alone; without sharding (stage 0) every GPU holds all of it, CP or not.
+    ``params`` is what one GPU holds before sharding (after TP and PP).
+    """
+    return model_state_groups(params, gradient_reduce_ranks(dp, cp), zero_stage, dtypes)

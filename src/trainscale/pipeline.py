@@ -326,6 +326,7 @@ def simulate(
     chunks: int = 1,
     send: float = 0.0,
     weight: float | None = None,
+    overhead: float = 0.0,
 ) -> Timeline:
     """Play one training step of a pipeline schedule and return its :class:`Timeline`.
 
@@ -336,7 +337,10 @@ def simulate(
     into a weight pass of ``weight`` (default: half of ``backward``) and an
     input pass of the rest; the other schedules ignore ``weight``. ``send`` is
     the time an activation or a gradient takes to reach the next device (``0``:
-    free, as the formula assumes). ``"interleaved"`` needs ``chunks >= 2`` and
+    free, as the formula assumes). ``overhead`` is what every pass costs beyond its
+    compute (a runtime's bookkeeping, posting its sends and receives): the pass
+    starts that long after it could, whatever its length, so a chunk's half-size pass
+    pays it in full. ``"interleaved"`` needs ``chunks >= 2`` and
     ``micro_batches`` a multiple of ``stages``; ``"zb-v"`` has 2 chunks per device
     (``chunks`` may be left at 1); the others take ``chunks = 1``.
     """
@@ -349,6 +353,7 @@ def simulate(
     if name in ZERO_BUBBLE and w >= b:
         raise ValueError(f"weight must be below backward ({b:g}) to leave an input pass, got {w:g}")
     latency = _checks.non_negative("send", send)
+    cost = _checks.non_negative("overhead", overhead)
     if name == "interleaved":
         v = _checks.count("chunks", chunks, minimum=2)
         if m % k:
@@ -371,7 +376,7 @@ def simulate(
         orders = [make(k, m, s) for s in range(k)]
     times = {FORWARD: f / v, BACKWARD: b / v, INPUT: (b - w) / v, WEIGHT: w / v}
     placement = [[_virtual_stage(name, k, d, c) for c in range(v)] for d in range(k)]
-    return Timeline(name, k, m, _play(orders, placement, times, latency), v)
+    return Timeline(name, k, m, _play(orders, placement, times, latency, cost), v)
 
 
 def replay(
@@ -381,29 +386,130 @@ def replay(
     *,
     weight: float | None = None,
     send: float = 0.0,
+    overhead: float = 0.0,
 ) -> Timeline:
     """Play the order of ``timeline`` (measured, say) again with fixed times.
 
     Each device runs exactly the passes ``timeline`` lists for it, in that
     order, as early as the dependencies of :func:`simulate` allow, with the
     times of :func:`simulate` (``weight`` splits the backward of ``"input"`` and
-    ``"weight"`` passes). Chunks are placed as in an interleaved schedule, or in
-    a V if ``timeline.schedule`` is one of :data:`V_SHAPED`. This is how the
-    book simulates a schedule it has no order of its own for, such as DualPipeV:
-    from the order PyTorch ran.
+    ``"weight"`` passes; ``send`` and ``overhead`` as there). Chunks are placed as in
+    an interleaved schedule, or in a V if ``timeline.schedule`` is one of
+    :data:`V_SHAPED`. This is how the book simulates a schedule it has no order of
+    its own for, such as DualPipeV: from the order PyTorch ran.
     """
+    times = _pass_times(forward, backward, weight)
+    latency = _checks.non_negative("send", send)
+    return _replay(timeline, times, latency, _checks.non_negative("overhead", overhead))
+
+
+def _pass_times(forward: float, backward: float | None, weight: float | None) -> dict[str, float]:
+    """Checked times of each kind of pass on one stage (see :func:`replay`)."""
     f = _checks.positive("forward", forward)
     b = 2 * f if backward is None else _checks.positive("backward", backward)
     w = b / 2 if weight is None else _checks.positive("weight", weight)
     if w >= b:
         raise ValueError(f"weight must be below backward ({b:g}) to leave an input pass, got {w:g}")
-    latency = _checks.non_negative("send", send)
+    return {FORWARD: f, BACKWARD: b, INPUT: b - w, WEIGHT: w}
+
+
+def _replay(timeline: Timeline, times: dict[str, float], send: float, overhead: float) -> Timeline:
+    """:func:`replay` with checked arguments; ``times`` per stage, divided by the chunks here."""
     k, v = timeline.stages, timeline.chunks
     orders = [[(op.kind, op.chunk, op.micro_batch) for op in ops] for ops in timeline.ops]
-    times = {FORWARD: f / v, BACKWARD: b / v, INPUT: (b - w) / v, WEIGHT: w / v}
+    per_chunk = {kind: t / v for kind, t in times.items()}
     placement = [[_virtual_stage(timeline.schedule, k, d, c) for c in range(v)] for d in range(k)]
-    played = _play(orders, placement, times, latency)
+    played = _play(orders, placement, per_chunk, send, overhead)
     return Timeline(timeline.schedule, k, timeline.micro_batches, played, v)
+
+
+def chain_length(timeline: Timeline) -> int:
+    """The most passes on one chain of dependencies in the order ``timeline`` ran.
+
+    A chain links each pass to the one before it on its device and to the pass it
+    waits for on another (:func:`simulate`'s rules). With passes of no length and a
+    cost of 1 each (``overhead``), the step lasts exactly this long: a step of empty
+    passes measures the overhead per pass times this count. 1F1B with ``K`` stages and
+    ``M`` micro-batches: ``2 (M + K - 1)``.
+    """
+    times = dict.fromkeys((FORWARD, BACKWARD, INPUT, WEIGHT), 0.0)
+    return round(_replay(timeline, times, 0.0, 1.0).makespan)
+
+
+def overhead_for_step(
+    timeline: Timeline,
+    step: float,
+    forward: float,
+    backward: float | None = None,
+    *,
+    weight: float | None = None,
+) -> float:
+    """The overhead per pass at which :func:`replay` of ``timeline``'s order, with these
+    pass times, lasts ``step``: what each pass of a measured step cost beyond its compute.
+
+    The replayed step grows with the overhead, by at least one overhead per unit, so
+    the answer is unique; found by bisection, to a billionth of ``step``. A ``step``
+    shorter than the replay with no overhead raises ``ValueError``.
+    """
+    target = _checks.positive("step", step)
+    times = _pass_times(forward, backward, weight)
+    shortest = _replay(timeline, times, 0.0, 0.0).makespan
+    if target < shortest:
+        raise ValueError(f"step must be at least the replay with no overhead ({shortest:g})")
+    low, high = 0.0, target - shortest
+    while high - low > 1e-9 * target:
+        middle = (low + high) / 2
+        if _replay(timeline, times, 0.0, middle).makespan < target:
+            low = middle
+        else:
+            high = middle
+    return (low + high) / 2
+
+
+def break_even_overhead(
+    timeline: Timeline,
+    baseline: Timeline,
+    forward: float = 1.0,
+    backward: float | None = None,
+    *,
+    weight: float | None = None,
+) -> float:
+    """The smallest overhead per pass at which ``timeline``'s order stops being faster
+    than ``baseline``'s, both replayed with these pass times (:func:`replay`).
+
+    A schedule that runs more, shorter passes gains less from the same idle time as
+    the overhead grows: below the answer it is faster, above it slower. ``math.inf``
+    if its longest chain has no more passes than the baseline's (it never falls
+    behind); ``ValueError`` if it is not faster with no overhead. Both steps are
+    piecewise linear in the overhead: a grid of 64 finds the first crossing, and
+    bisection places it to a billionth of the baseline's step.
+    """
+    times = _pass_times(forward, backward, weight)
+
+    def lead(overhead: float) -> float:  # how much sooner timeline ends than baseline
+        return (
+            _replay(baseline, times, 0.0, overhead).makespan
+            - _replay(timeline, times, 0.0, overhead).makespan
+        )
+
+    base = _replay(baseline, times, 0.0, 0.0).makespan
+    if lead(0.0) <= 0:
+        raise ValueError("timeline must be faster than baseline with no overhead")
+    extra = chain_length(timeline) - chain_length(baseline)
+    if extra <= 0:
+        return math.inf
+    # past base / extra the timeline is slower: its step is at least chain x overhead,
+    # the baseline's at most its step with none plus its chain x overhead
+    grid = [base / extra * i / 64 for i in range(65)]
+    high = next(o for o in grid if lead(o) <= 0)
+    low = grid[grid.index(high) - 1]
+    while high - low > 1e-9 * base:
+        middle = (low + high) / 2
+        if lead(middle) > 0:
+            low = middle
+        else:
+            high = middle
+    return (low + high) / 2
 
 
 def _play(
@@ -411,11 +517,13 @@ def _play(
     placement: list[list[int]],
     times: dict[str, float],
     send: float,
+    overhead: float = 0.0,
 ) -> tuple[tuple[Op, ...], ...]:
     """Run each device's ``orders`` as early as the dependencies allow.
 
     ``placement[d][c]`` is the virtual stage that chunk ``c`` of device ``d``
-    holds; ``times`` the duration of each kind of pass.
+    holds; ``times`` the duration of each kind of pass; each pass starts
+    ``overhead`` after it could (its device free and its input arrived).
     """
     device_of = {v: d for d, chunks in enumerate(placement) for v in chunks}
     last = len(device_of) - 1  # the virtual stage that computes the loss
@@ -437,7 +545,7 @@ def _play(
                         break
                     crosses = device_of[before[1]] != device
                     ready = done[before] + (send if crosses else 0.0)
-                start = max(free[device], ready)
+                start = max(free[device], ready) + overhead
                 end = start + times[kind]
                 done[(_STEP[kind], virtual, micro_batch)] = end
                 free[device] = end

@@ -36,6 +36,12 @@ class Gpu:
     FLOPS" table (stas00/ml-engineering, ``compute/accelerator/README.md``; a search of
     shapes with ``mamf-finder.py``, mean of 100 runs), the same method for every GPU.
 
+    ``attention_share`` is the share of ``peak_flops`` a fused attention kernel sustains
+    on it, from the slowest to the fastest published kernel (``None``: none measured).
+
+    ``peak_flops_low`` is the lowest peak its power limit may hold it to, where no
+    datasheet gives its peak (``None``: the datasheet's ``peak_flops`` holds).
+
     ``memory_bytes`` is the capacity the device reports (``nvidia-smi``'s total,
     in MiB, times 2**20), not the marketing figure: an "80 GB" H100 reports
     81,559 MiB = 79.6 GiB = 85.5e9 bytes, more than 80e9 bytes and less than 80 GiB.
@@ -48,7 +54,21 @@ class Gpu:
     memory_bandwidth: float
     multiprocessors: int
     max_matmul_share: float | None = None
+    peak_flops_low: float | None = None
+    attention_share: tuple[float, float] | None = None
 
+
+FLASH_ATTENTION_A100 = (0.50, 0.73)
+"""Share of an A100's peak a fused attention kernel sustains: FlashAttention-2 "reaching
+50-73% of the theoretical maximum FLOPs/s on A100" (Dao 2023, arXiv 2307.08691, abstract;
+bib key dao2023flashattention2)."""
+
+FLASH_ATTENTION_H100 = (0.35, 0.75)
+"""Share of an H100's peak a fused attention kernel sustains, from FlashAttention-2's "only
+35% utilization on the H100 GPU" to FlashAttention-3's "up to 740 TFLOPs/s (75%
+utilization)" in 16-bit (Shah et al. 2024, arXiv 2407.08608, abstract; bib key
+shah2024flashattention3). cuDNN's fused kernel lies between the two in that paper's
+figures."""
 
 GPUS: dict[str, Gpu] = {
     # NVIDIA A100 Tensor Core GPU datasheet (SXM, 80 GB): 312 TFLOP/s dense BF16
@@ -64,6 +84,7 @@ GPUS: dict[str, Gpu] = {
         memory_bandwidth=2.039e12,  # 2,039 GB/s HBM2e (SXM)
         multiprocessors=108,  # 108 SMs (A100 whitepaper)
         max_matmul_share=271.2 / 312,  # MAMF 271.2 TFLOP/s (torch 2.6, CUDA 12.6)
+        attention_share=FLASH_ATTENTION_A100,
     ),
     # NVIDIA H100 Tensor Core GPU datasheet (SXM): 989 TFLOP/s dense BF16 (1,979 with
     # sparsity); NVLink 4, 900 GB/s both directions together, so 450e9 B/s each way;
@@ -78,6 +99,26 @@ GPUS: dict[str, Gpu] = {
         memory_bandwidth=3.35e12,  # 3.35 TB/s HBM3 (SXM)
         multiprocessors=132,  # 132 SMs (H100 SXM5)
         max_matmul_share=794.5 / 989,  # MAMF 794.5 TFLOP/s (torch 2.7, CUDA 12.6)
+        attention_share=FLASH_ATTENTION_H100,
+    ),
+    # The H100 of Meta's Grand Teton hosts that torchtitan's December 2024 benchmark ran on
+    # (pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md): an SXM H100 with 96 GB
+    # of HBM2e at 2.4 TB/s and a 500 W power limit, whose "actual peak TFLOPs number is
+    # between SXM and NVL" (its footnote 2): peak_flops is the SXM's 989 TFLOP/s, the peak
+    # its MFU is quoted against, and peak_flops_low the H100 NVL datasheet's 835 TFLOP/s
+    # dense BF16 (1,671 with sparsity). Memory: 96 GB; the nvidia-smi total of this SKU is
+    # not published, so it is taken as 96 x 1,024 MiB less the share an 80 GB H100 reports
+    # below its 80 x 1,024 MiB (81,559 / 81,920): 97,871 MiB.
+    "H100-96GB-500W": Gpu(
+        peak_flops=989e12,
+        memory_bytes=97_871 * MIB,
+        nvlink_bandwidth=450e9,
+        gpus_per_node=8,
+        memory_bandwidth=2.4e12,  # 2.4 TB/s HBM2e (the benchmark's description)
+        multiprocessors=132,  # the H100 SXM5 die
+        max_matmul_share=794.5 / 989,  # the H100 SXM's MAMF (measured at 700 W)
+        peak_flops_low=835e12,
+        attention_share=FLASH_ATTENTION_H100,
     ),
     # NVIDIA H200 Tensor Core GPU datasheet (SXM): 141 GB of HBM3e, the H100's
     # 989 TFLOP/s dense BF16 and NVLink 4 (450e9 B/s each way); 8 per HGX H200 node.
@@ -91,6 +132,7 @@ GPUS: dict[str, Gpu] = {
         memory_bandwidth=4.8e12,  # 4.8 TB/s HBM3e
         multiprocessors=132,  # 132 SMs, the H100's die
         max_matmul_share=794.5 / 989,  # the table's H100 row: "H200 is the same"
+        attention_share=FLASH_ATTENTION_H100,  # the H100's die and clocks
     ),
     # NVIDIA HGX B200 datasheet: 2.25 PFLOP/s dense BF16 per GPU (4.5 with sparsity);
     # NVLink 5, 1.8 TB/s both directions together, so 900e9 B/s each way; 8 per HGX
@@ -238,3 +280,23 @@ def published_runs() -> tuple[PublishedRun, ...]:
     """Every published run of ``data/published_runs.json``, in the file's order."""
     text = resources.files("trainscale").joinpath("data/published_runs.json").read_text()
     return tuple(_row(record) for record in json.loads(text))
+
+
+@dataclass(frozen=True)
+class CalculonRow:
+    """One row of Calculon's own validation (``data/calculon_validation.json``): a published
+    run's name, the step time its source measured and the one Calculon computes, seconds."""
+
+    run: str
+    measured_seconds: float
+    calculon_seconds: float
+
+
+@functools.cache
+def calculon_validation() -> tuple[str, tuple[CalculonRow, ...]]:
+    """``(source, rows)``: Calculon's end-to-end validation against Korthikanti et al.'s
+    Table 5 (Isaev et al. 2023), as its own script prints it, with where and how it was run;
+    each row names one of :func:`published_runs`."""
+    text = resources.files("trainscale").joinpath("data/calculon_validation.json").read_text()
+    data = json.loads(text)
+    return data["source"], tuple(CalculonRow(**row) for row in data["rows"])

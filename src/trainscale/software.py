@@ -25,6 +25,25 @@ from trainscale import _checks
 GRADIENT_REDUCE_DTYPES = ("bf16", "fp16", "fp32")
 """Dtypes a stack reduces (and accumulates) gradients in: 2, 2 and 4 bytes each."""
 
+SEQUENCE_PARALLEL_STYLES = ("re-gather", "keep gathered")
+"""How a stack runs sequence parallelism (:data:`trainscale.parallel.SEQUENCE_PARALLEL_STYLES`,
+chapter 06): Megatron-LM keeps each rank's ``s/t`` shard of the layer-norm outputs and
+all-gathers it again in backward (a quarter more tensor-parallel bytes); PyTorch's DTensor
+plan keeps the gathered input whole (more memory, no more bytes)."""
+
+CONTEXT_PARALLEL_STYLES = ("ring", "all-gather")
+"""How a stack moves keys and values for context parallelism (chapter 14): around a ring,
+each block's transfer under the attention of the one before (Liu et al. 2023), or
+all-gathered before the attention, in the critical path (Llama 3). The same bytes reach
+each rank (the other ranks' blocks, once); what differs is how much hides."""
+
+SELECTIVE_RECOMPUTE = ("scores", "core attention", "every other matmul")
+"""What a stack's *selective* activation recomputation recomputes: the attention scores
+an unfused kernel would have stored (Korthikanti et al. 2022; nothing with a fused kernel,
+whose backward rebuilds them anyway), the whole core-attention function whatever its
+kernel (Megatron-Core's ``checkpoint_core_attention``), or every other matrix product and
+everything element-wise (torchtitan's per-op policy)."""
+
 OVERLAP_FIELDS = ("overlap_grad_reduce", "overlap_param_gather", "overlap_tp_comm", "fsdp_prefetch")
 """The fields that say what a stack overlaps with compute (``None``: not documented)."""
 
@@ -38,6 +57,9 @@ FIELDS = (
     "reduce_after_flush",
     "interleaving_min_stages",
     "interleaving_divides_micro_batches",
+    "sequence_parallel_style",
+    "selective_recompute",
+    "context_parallel_style",
     *OVERLAP_FIELDS,
 )
 """Every field of :class:`Software` that describes the stack (all but ``name``, ``title``
@@ -68,6 +90,9 @@ class Software:
       asserts on an interleaved schedule (at least that many stages; micro-batches a
       multiple of the stages). Recorded, and reported by
       :meth:`interleaving_problems`, but not yet a rule of the planner's search;
+    * ``sequence_parallel_style``: one of :data:`SEQUENCE_PARALLEL_STYLES`;
+      ``selective_recompute``: one of :data:`SELECTIVE_RECOMPUTE`;
+      ``context_parallel_style``: one of :data:`CONTEXT_PARALLEL_STYLES`;
     * what hides under compute: ``overlap_grad_reduce`` (the data-parallel gradient
       reduction under the backward), ``overlap_param_gather`` (ZeRO's weight all-gather
       under the forward), ``overlap_tp_comm`` (the backward's tensor-parallel
@@ -88,6 +113,9 @@ class Software:
     reduce_after_flush: bool = False
     interleaving_min_stages: int = 2
     interleaving_divides_micro_batches: bool = False
+    sequence_parallel_style: str = "re-gather"
+    selective_recompute: str = "scores"
+    context_parallel_style: str = "ring"
     overlap_grad_reduce: bool | None = None
     overlap_param_gather: bool | None = None
     overlap_tp_comm: bool | None = None
@@ -112,6 +140,13 @@ class Software:
                 f"got {self.pipeline_zero_stages}"
             )
         _checks.count("interleaving_min_stages", self.interleaving_min_stages, minimum=2)
+        _checks.choice(
+            "sequence_parallel_style", self.sequence_parallel_style, SEQUENCE_PARALLEL_STYLES
+        )
+        _checks.choice("selective_recompute", self.selective_recompute, SELECTIVE_RECOMPUTE)
+        _checks.choice(
+            "context_parallel_style", self.context_parallel_style, CONTEXT_PARALLEL_STYLES
+        )
         for name in OVERLAP_FIELDS:
             if getattr(self, name) is not None:
                 _checks.boolean(name, getattr(self, name))
@@ -204,6 +239,12 @@ def _preset(name: str, title: str, sources: dict[str, str], **values: object) ->
 _MEGATRON_2021 = f"{MEGATRON}@cdde433 (9 Apr 2021, Narayanan et al.'s code)"
 _MEGATRON_2022 = f"{MEGATRON}@d239429 (10 May 2022) and 739cb43 (24 May 2022, Korthikanti et al.'s)"
 _CORE = f"{MEGATRON}@d98e8a6 (22 Aug 2026, Megatron-Core)"
+_CORE_08 = f"{MEGATRON}@baf94af (core_r0.8.0, July 2024)"
+_README_08 = (
+    f"{MEGATRON}@937571c README.md, 'fine-grained overlapping of data-parallel "
+    "(--overlap-grad-reduce --overlap-param-gather), tensor-parallel (--tp-comm-overlap)'"
+)
+_TITAN_2024 = "pytorch/torchtitan@9dec370 (26 Dec 2024, its H100 benchmark's commit)"
 
 SOFTWARE: dict[str, Software] = {
     s.name: s
@@ -211,7 +252,7 @@ SOFTWARE: dict[str, Software] = {
         _preset(
             "planner-default",
             "the planner's default stack",
-            dict.fromkeys(FIELDS[:9], _ASSUMED),
+            dict.fromkeys(FIELDS[:12], _ASSUMED),
             fused_attention=True,
             dropout=True,
             gradient_reduce_dtype="bf16",
@@ -268,6 +309,12 @@ SOFTWARE: dict[str, Software] = {
                 "interleaving_divides_micro_batches": f"{_MEGATRON_2022} megatron/schedules.py:"
                 "36-42: 'number of microbatches is not divisible by pipeline-model-parallel-size"
                 " when using interleaved schedule'",
+                "sequence_parallel_style": f"{_MEGATRON_2022} megatron/mpu/layers.py: with "
+                "sequence parallelism the column-parallel backward all-gathers its input again"
+                " for the weight gradient",
+                "selective_recompute": f"{_MEGATRON_2022} megatron/model/transformer.py: "
+                "--recompute-granularity selective checkpoints the core attention (the scores"
+                " and their softmax, which its unfused kernel stores)",
                 "overlap_grad_reduce": f"{_MEGATRON_2022} megatron/training.py: the gradient "
                 "all-reduce after the backward (default --DDP-impl local)",
                 "overlap_tp_comm": f"{_MEGATRON_2022}: async_tensor_model_parallel_allreduce "
@@ -329,10 +376,14 @@ SOFTWARE: dict[str, Software] = {
                 "pipeline_zero_stages": "Dubey et al. 2024, section 3.3.2: FSDP with pipelines",
                 "pipeline_interleaving": "Dubey et al. 2024, section 3.3.2: an interleaved, "
                 "tunable 1F1B schedule",
+                "context_parallel_style": "Dubey et al. 2024, section 3.3.2: 'an all-gather "
+                "based method where we first all-gather the key (K) and value (V) tensors'; "
+                "'the all-gather communication latency is exposed in the critical path'",
             },
             fused_attention=True,
             dropout=False,
             gradient_reduce_dtype="fp32",
+            context_parallel_style="all-gather",
         ),
         _preset(
             "torchtitan-fsdp2",
@@ -349,6 +400,12 @@ SOFTWARE: dict[str, Software] = {
                 " 'default' (kept gathered with pipelines)",
                 "pipeline_interleaving": f"{TORCHTITAN} configs.py:216, pipeline_parallel_schedule"
                 " (Interleaved1F1B among the choices, configs.py:221)",
+                "sequence_parallel_style": f"{TORCHTITAN} torchtitan/models/llama3/"
+                "parallelize.py: DTensor SequenceParallel and PrepareModuleInput (the gathered "
+                "input kept whole)",
+                "selective_recompute": f"{TORCHTITAN} torchtitan/distributed/"
+                "activation_checkpoint.py:243-271, the 'op' policy: every other mm saved, the "
+                "rest recomputed",
                 "overlap_grad_reduce": "PyTorch FSDP2 (fully_shard): gradients reduce-scattered "
                 "during the backward, layer by layer",
                 "overlap_param_gather": "PyTorch FSDP2 (fully_shard): the next layer's "
@@ -361,6 +418,8 @@ SOFTWARE: dict[str, Software] = {
             fused_attention=True,
             dropout=False,
             gradient_reduce_dtype="fp32",
+            sequence_parallel_style="keep gathered",
+            selective_recompute="every other matmul",
             overlap_grad_reduce=True,
             overlap_param_gather=True,
             overlap_tp_comm=False,
@@ -382,6 +441,10 @@ SOFTWARE: dict[str, Software] = {
                 "supported with pipeline parallelism'",
                 "pipeline_interleaving": f"{_CORE} --num-layers-per-virtual-pipeline-stage",
                 "interleaving_min_stages": f"{_CORE}: no 'greater than 2' assert any more",
+                "sequence_parallel_style": f"{_CORE} megatron/core/tensor_parallel/layers.py:"
+                "665-680, the backward all-gathers the saved s/t input again",
+                "selective_recompute": f"{_CORE} megatron/core/transformer/attention.py:392, "
+                "checkpoint_core_attention: the core attention reruns whatever its kernel",
                 "overlap_grad_reduce": f"{_CORE} megatron/core/distributed/"
                 "distributed_data_parallel_config.py:18, overlap_grad_reduce = False",
                 "overlap_param_gather": f"{_CORE} distributed_data_parallel_config.py:21, "
@@ -394,9 +457,85 @@ SOFTWARE: dict[str, Software] = {
             gradient_reduce_dtype="fp32",
             zero_stages=(0, 1, 3),
             pipeline_zero_stages=(0, 1),
+            selective_recompute="core attention",
             overlap_grad_reduce=False,
             overlap_param_gather=False,
             overlap_tp_comm=False,
+        ),
+        _preset(
+            "megatron-core-r0.8",
+            "Megatron-Core r0.8.0, tuned (its README's H100 scaling runs)",
+            {
+                "fused_attention": f"{_CORE_08} megatron/training/arguments.py:668, "
+                "--transformer-impl transformer_engine by default (Transformer Engine's fused "
+                "attention)",
+                "dropout": f"{_CORE_08} megatron/core/transformer/transformer_config.py:43-46, "
+                "hidden_dropout and attention_dropout 0.1 (the benchmark's flags are not "
+                "published)",
+                "gradient_reduce_dtype": f"{_CORE_08} megatron/training/arguments.py:299-305, "
+                "'bfloat16 requires gradient accumulation and all-reduce to be done in fp32'",
+                "zero_stages": f"{_CORE_08}: DDP or --use-distributed-optimizer (ZeRO-1)",
+                "pipeline_zero_stages": "as zero_stages",
+                "pipeline_interleaving": f"{_CORE_08} --num-layers-per-virtual-pipeline-stage",
+                "interleaving_min_stages": f"{_CORE_08}: no 'greater than 2' assert",
+                "sequence_parallel_style": f"{_CORE_08} megatron/core/tensor_parallel/layers.py:"
+                "401-418, the input saved as the s/t shard and all-gathered again in backward",
+                "selective_recompute": f"{_CORE_08} megatron/core/transformer/attention.py:103,"
+                " checkpoint_core_attention when --recompute-granularity selective",
+                "overlap_grad_reduce": f"{_README_08}: --overlap-grad-reduce",
+                "overlap_param_gather": f"{_README_08}: --overlap-param-gather",
+                "overlap_tp_comm": f"{_README_08}: --tp-comm-overlap",
+            },
+            fused_attention=True,
+            dropout=True,
+            gradient_reduce_dtype="fp32",
+            zero_stages=(0, 1),
+            pipeline_zero_stages=(0, 1),
+            selective_recompute="core attention",
+            overlap_grad_reduce=True,
+            overlap_param_gather=True,
+            overlap_tp_comm=True,
+        ),
+        *(
+            _preset(
+                f"torchtitan-2024{suffix}",
+                f"torchtitan with FSDP2, December 2024{title}",
+                {
+                    "fused_attention": f"{_TITAN_2024} torchtitan/models/llama/model.py:209, "
+                    "F.scaled_dot_product_attention(..., is_causal=True)",
+                    "dropout": f"{_TITAN_2024} torchtitan/models/llama/model.py: no dropout",
+                    "gradient_reduce_dtype": f"{_TITAN_2024} torchtitan/config_manager.py:389-392,"
+                    " --training.mixed_precision_reduce float32 (its only choice)",
+                    "zero_stages": f"{_TITAN_2024} torchtitan/parallelisms/parallelize_llama.py:"
+                    " FSDP2 (fully_shard), each block resharded after forward but the last",
+                    "pipeline_zero_stages": "as zero_stages",
+                    "pipeline_interleaving": f"{_TITAN_2024}: Interleaved1F1B among its schedules",
+                    "sequence_parallel_style": f"{_TITAN_2024} torchtitan/parallelisms/"
+                    "parallelize_llama.py:137-176, DTensor SequenceParallel and "
+                    "PrepareModuleInput (the gathered input kept whole)",
+                    "selective_recompute": f"{_TITAN_2024} torchtitan/parallelisms/"
+                    "parallelize_llama.py:214-276, selective_ac_option 'op': an mm's output "
+                    "saved when its count is odd, everything else recomputed",
+                    "overlap_grad_reduce": "PyTorch FSDP2 (fully_shard): gradients "
+                    "reduce-scattered during the backward, layer by layer",
+                    "overlap_param_gather": "PyTorch FSDP2 (fully_shard): the next layer's "
+                    "all-gather overlaps this one's compute",
+                    "overlap_tp_comm": f"{_TITAN_2024} config_manager.py:288, "
+                    "--experimental.enable_async_tensor_parallel off by default",
+                    "fsdp_prefetch": "PyTorch FSDP2 (fully_shard): implicit forward and "
+                    "backward prefetching",
+                },
+                fused_attention=True,
+                dropout=False,
+                gradient_reduce_dtype="fp32",
+                sequence_parallel_style="keep gathered",
+                selective_recompute="every other matmul",
+                overlap_grad_reduce=True,
+                overlap_param_gather=True,
+                overlap_tp_comm=False,
+                fsdp_prefetch=True,
+            )
+            for suffix, title in (("", ""), ("-compiled", ", torch.compile"))
         ),
     )
 }

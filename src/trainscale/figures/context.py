@@ -53,7 +53,8 @@ def ring_attention_steps(
         raise ValueError(f"schedule blocks must be among {tuple(WORK_COLOURS)}, got {shares}")
     n = len(schedule)
     with plt.rc_context({**STYLE, "axes.grid": False}):
-        fig, ax = new_figure((1.6 + 0.95 * n, 1.3 + 0.5 * n))
+        # At least 6.4 in wide: the title spans the figure, the legend at the right included.
+        fig, ax = new_figure((max(6.4, 2.6 + 0.95 * n), 1.3 + 0.5 * n))
         for rank, steps in enumerate(schedule):
             for step, (sender, blocks) in enumerate(steps):
                 ax.add_patch(
@@ -81,7 +82,7 @@ def ring_attention_steps(
         ax.tick_params(length=0)
         for side in ("left", "bottom"):
             ax.spines[side].set_visible(False)
-        ax.set_title(title)
+        fig.suptitle(title, fontweight="bold")
         labels = {1.0: "whole block", 0.5: "half a block", 0.0: "skipped (masked)"}
         handles = [Patch(facecolor=WORK_COLOURS[b], label=labels[b]) for b in sorted(shares)[::-1]]
         fig.legend(handles=handles, loc="outside right center", fontsize=8)

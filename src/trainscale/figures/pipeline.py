@@ -229,7 +229,7 @@ def schedule_comparison(
         left, right = fig.subplots(1, 2, sharey=True)
         for ax, values, label, fmt in (
             (left, bubbles, "bubble (% of the step)", "{:.0f}%"),
-            (right, held, "peak micro-batches held (any device)", "{:g}"),
+            (right, held, "most micro-batches held", "{:g}"),
         ):
             ax.barh(rows, values, color=bar_colours, height=0.6)
             for row, value in zip(rows, values, strict=True):

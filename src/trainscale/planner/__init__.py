@@ -20,6 +20,8 @@ The package follows chapter 13's sections; each module imports only those above 
 * :mod:`~trainscale.planner.inputs`: the model, the cluster, the worked examples (the
   software they train with is :class:`trainscale.software.Software`, re-exported here
   with its presets :data:`SOFTWARE` and :data:`DEFAULT_SOFTWARE`);
+* :mod:`~trainscale.planner.unknowns`: what no source pins, the span of each, and how
+  Table 4 ties the GEMM share to two of them (every range is built from these);
 * :mod:`~trainscale.planner.memory`: model state and activations per GPU;
 * :mod:`~trainscale.planner.traffic`: what each kind of parallelism sends;
 * :mod:`~trainscale.planner.kernels`: every kernel at its roofline, the GEMM share;
@@ -48,14 +50,19 @@ from trainscale.memory import (
 )
 from trainscale.planner.calibration import (
     CALIBRATION_TARGETS,
+    FIT_GPUS,
     INTERLEAVING,
+    MARGIN_COVERAGE,
     RunEstimate,
     calibration_targets,
+    conformal_margin,
     estimate_run,
     mfu_range,
+    model_margin,
     reported_mfu,
     reported_mfu_6n,
     restated_run,
+    split_runs,
 )
 from trainscale.planner.inputs import (
     A100_NODE,
@@ -73,7 +80,6 @@ from trainscale.planner.inputs import (
     published_model,
 )
 from trainscale.planner.kernels import (
-    ELEMENTWISE_TRAFFIC,
     FUSED_BACKWARD_PASSES,
     TABLE4_GPU,
     TABLE4_RUN,
@@ -81,9 +87,9 @@ from trainscale.planner.kernels import (
     TILE,
     gemm_seconds,
     gemm_share,
+    table4_half_shares,
     table4_seconds,
     tile_overhead_k,
-    tile_overhead_range,
 )
 from trainscale.planner.layout import (
     KERNEL_EFFICIENCY,
@@ -101,6 +107,7 @@ from trainscale.planner.memory import (
     stage_params,
 )
 from trainscale.planner.search import (
+    CP_MIN_LOCAL_TOKENS,
     context_parallel_degrees,
     expert_parallel_degrees,
     plan,
@@ -113,7 +120,14 @@ from trainscale.planner.step import (
 )
 from trainscale.planner.traffic import (
     COLLECTIVE_STEP_SECONDS,
+)
+from trainscale.planner.unknowns import (
+    CENTRAL,
+    ELEMENTWISE_TRAFFIC,
     OVERLAP,
+    TILE_OVERHEAD,
+    Unknowns,
+    range_corners,
 )
 from trainscale.published import (
     PublishedRun,
@@ -129,12 +143,15 @@ __all__ = [  # this module's public names, and those it re-exports for chapter 1
     "A100_NODE",
     "ACTIVATION_PARTS",
     "CALIBRATION_TARGETS",
+    "CENTRAL",
     "COLLECTIVE_STEP_SECONDS",
+    "CP_MIN_LOCAL_TOKENS",
     "DEFAULT_SOFTWARE",
     "ELEMENTWISE_TRAFFIC",
     "EXAMPLE_CLUSTER",
     "EXAMPLE_GLOBAL_BATCH",
     "EXAMPLE_MODEL",
+    "FIT_GPUS",
     "FP32_GRADIENTS",
     "FUSED_BACKWARD_PASSES",
     "GEMM_SHARE",
@@ -143,8 +160,10 @@ __all__ = [  # this module's public names, and those it re-exports for chapter 1
     "KERNEL_EFFICIENCY",
     "LLAMA3",
     "LONG_CONTEXT_MODEL",
+    "MARGIN_COVERAGE",
     "MAX_BUBBLE",
     "MEMORY_PARTS",
+    "MODEL_MARGIN",
     "MOE_MODEL",
     "OPTIMISER_STEP_BYTES",
     "OVERLAP",
@@ -155,6 +174,7 @@ __all__ = [  # this module's public names, and those it re-exports for chapter 1
     "TABLE4_RUN",
     "TABLE4_SECONDS",
     "TILE",
+    "TILE_OVERHEAD",
     "TIME_PARTS",
     "USABLE_MEMORY",
     "VERDICTS",
@@ -164,8 +184,10 @@ __all__ = [  # this module's public names, and those it re-exports for chapter 1
     "PublishedRun",
     "RunEstimate",
     "Software",
+    "Unknowns",
     "activation_bytes_per_gpu",
     "calibration_targets",
+    "conformal_margin",
     "context_parallel_degrees",
     "estimate_run",
     "evaluate",
@@ -174,19 +196,22 @@ __all__ = [  # this module's public names, and those it re-exports for chapter 1
     "gemm_share",
     "layer_activation_bytes",
     "mfu_range",
+    "model_margin",
     "model_state_per_gpu",
     "node_settings",
     "plan",
     "published_cluster",
     "published_model",
     "published_runs",
+    "range_corners",
     "reported_mfu",
     "reported_mfu_6n",
     "restated_run",
+    "split_runs",
     "stage_params",
+    "table4_half_shares",
     "table4_seconds",
     "tile_overhead_k",
-    "tile_overhead_range",
     "top_layouts",
     "verdict_counts",
 ]
@@ -201,8 +226,8 @@ _FORMULA_NAMES = {
     "cp_beats_tp_local_tokens": "trainscale.context",
     "cp_hiding_threshold_tokens": "trainscale.context",
     "ring_bytes_per_rank": "trainscale.context",
-    "ALL_TO_ALLS_PER_LAYER": "trainscale.collectives",
-    "all_to_all_bytes_per_rank": "trainscale.collectives",
+    "ALL_TO_ALLS_PER_LAYER": "trainscale.experts",
+    "all_to_all_bytes_per_rank": "trainscale.experts",
     "BYTES_PER_PARAM": "trainscale.memory",
     "GIB": "trainscale.memory",
     "OPTIMIZER_STATE": "trainscale.memory",
@@ -220,7 +245,10 @@ modules: each still reads as ``planner.NAME`` (:func:`__getattr__`), though it i
 planner's API (:data:`__all__`); its home is the module named here."""
 
 
-_COMPUTED_WHEN_READ = {"GEMM_SHARE": "trainscale.planner.kernels"}
+_COMPUTED_WHEN_READ = {
+    "GEMM_SHARE": "trainscale.planner.kernels",
+    "MODEL_MARGIN": "trainscale.planner.calibration",
+}
 """Names of the planner's API computed when first read rather than at import (the GEMM
 share bisects Table 4's layer), by the module that computes them."""
 

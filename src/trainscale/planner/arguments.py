@@ -188,6 +188,14 @@ def parser() -> argparse.ArgumentParser:
         help=f"interleaving depths (model chunks per GPU) to search (default: {depths})",
     )
     add(
+        "--context-parallel",
+        default=None,
+        metavar="C[,C...]",
+        help="context-parallel degrees to search (default: 1 and every power of two that"
+        f" leaves a GPU at least {planner.CP_MIN_LOCAL_TOKENS:,} tokens of a sequence, with a"
+        " fused attention kernel)",
+    )
+    add(
         "--explain",
         default=None,
         metavar="TP,PP,DP[,CP,EP,V]",
@@ -242,6 +250,8 @@ class Request:
     """The interleaving depths searched."""
     explain: str | None = None
     """``--explain``'s value, checked by :func:`trainscale.planner.explain.explain_spec`."""
+    context_parallel: tuple[int, ...] | None = None
+    """The CP degrees searched (``None``: :func:`trainscale.planner.context_parallel_degrees`)."""
     max_tp: int | None = None
     """``--max-tp``: layouts with more tensor-parallel GPUs are not tried (``None``: any)."""
     zero_stages: tuple[int, ...] | None = None
@@ -348,18 +358,23 @@ def _cluster(args: argparse.Namespace, preset: Preset | None) -> tuple[planner.C
     return planner.Cluster(nodes=_checks.count("--nodes", nodes, minimum=1), **settings), gpu
 
 
-def _depths(text: str | None) -> tuple[int, ...]:
-    """``--virtual-stages``: comma-separated whole numbers >= 1 (``None``: every depth of
-    :data:`trainscale.planner.INTERLEAVING`)."""
+def _degrees(flag: str, text: str | None) -> tuple[int, ...] | None:
+    """A flag's comma-separated whole numbers >= 1, each once (``None`` when not given)."""
     if text is None:
-        return planner.INTERLEAVING
+        return None
     try:
         values = [float(part) for part in text.split(",")]
     except ValueError:
         raise ValueError(
-            f"--virtual-stages must be whole numbers >= 1 separated by commas, got {text!r}"
+            f"{flag} must be whole numbers >= 1 separated by commas, got {text!r}"
         ) from None
-    return tuple(dict.fromkeys(_checks.count("--virtual-stages", v, minimum=1) for v in values))
+    return tuple(dict.fromkeys(_checks.count(flag, v, minimum=1) for v in values))
+
+
+def _depths(text: str | None) -> tuple[int, ...]:
+    """``--virtual-stages``: comma-separated whole numbers >= 1 (``None``: every depth of
+    :data:`trainscale.planner.INTERLEAVING`)."""
+    return _degrees("--virtual-stages", text) or planner.INTERLEAVING
 
 
 def _zero_stages(text: str | None) -> tuple[int, ...] | None:
@@ -443,7 +458,8 @@ def parse(argv: Sequence[str] | None = None) -> Request | None:
         run.software,
     ):
         run = None  # a flag changed the run: the published figures no longer apply
+    cps = _degrees("--context-parallel", args.context_parallel)
     return Request(
-        *(model, cluster, gpu, batch, top, laptop, run, stack, depths, args.explain),
+        *(model, cluster, gpu, batch, top, laptop, run, stack, depths, args.explain, cps),
         *(max_tp, zero_stages),
     )

@@ -183,14 +183,14 @@ def layout_table(
     if ranges is not None and len(ranges) != len(layouts):
         raise ValueError(f"ranges must give one (low, high) per layout, got {len(ranges)}")
     lines = [
-        f"  #  {'layout':<22} {'settings':<48} {'MFU (range)':<22} {'step':>9} {'memory/GPU':>11}"
+        f"  #  {'layout':<28} {'settings':<46} {'MFU (range)':<22} {'step':>9} {'memory/GPU':>11}"
     ]
     for rank, lay in enumerate(layouts, start=1):
         shape = lay.name.replace("\u00d7", "x")
         v = f", V {lay.virtual_stages}" if lay.virtual_stages > 1 else ""
         span = None if ranges is None else ranges[rank - 1]
         lines.append(
-            f"{rank:>3}  {shape:<22} {lay.settings + v:<48} {_mfu(lay, span):<22}"
+            f"{rank:>3}  {shape:<28} {lay.settings + v:<46} {_mfu(lay, span):<22}"
             f" {lay.step_seconds:>7.2f} s {lay.memory_bytes / GIB:>7.1f} GiB"
         )
     return lines
@@ -294,7 +294,10 @@ def too_many_gpus(request: Request) -> str | None:
     global batch (one sequence per replica), TP at most the heads, PP at most the layers + 2
     (:func:`trainscale.planner.memory._chunks_fit`), CP at most the degrees tried."""
     model, cluster = request.model, request.cluster
-    cp = max(planner.context_parallel_degrees(model, cluster, request.software))
+    cp = max(
+        request.context_parallel
+        or planner.context_parallel_degrees(model, cluster, request.software)
+    )
     most = request.global_batch * model.heads * (model.layers + 2) * cp
     if cluster.gpus <= most:
         return None
@@ -324,6 +327,7 @@ def _report(request: Request, data: dict) -> tuple[list[str], bool]:
         *(request.model, request.cluster, request.global_batch),
         software=stack,
         virtual_stages=request.virtual_stages,
+        context_parallel=request.context_parallel,
         zero_stages=request.zero_stages,
     )
     if request.max_tp is not None:
@@ -431,6 +435,7 @@ def _request_json(request: Request) -> dict:
         "global_batch": request.global_batch,
         "software": software,
         "virtual_stages": request.virtual_stages,
+        "context_parallel": request.context_parallel,
         "max_tp": request.max_tp,
         "zero_stages": request.zero_stages,
         "top": request.top,

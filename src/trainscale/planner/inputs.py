@@ -12,6 +12,7 @@ planner's model and cluster of a published run (:func:`published_model`,
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 from trainscale import _checks
@@ -146,7 +147,7 @@ class Model:
         unused = self.expert_params_per_layer // self.experts * (self.experts - self.top_k)
         return self.params - self.layers * unused
 
-    @property
+    @functools.cached_property
     def layer_shape(self) -> dict[str, object]:
         """The keyword arguments of :func:`trainscale.checkpointing.layer_activation_bytes`
         that describe this model's layer (grouped-query attention, MLP width and gating,
@@ -195,6 +196,10 @@ class Cluster:
     ``max_matmul_share`` the fastest bf16 GEMM measured on it as a share of its peak
     (:attr:`trainscale.published.Gpu.max_matmul_share`; ``None``: not measured), which
     the roofline step time needs (defaults: an H100 SXM's 3.35e12, 132 and 794.5 / 989).
+    ``peak_flops_low`` is the lowest sustained peak a power limit may hold a GPU to
+    (``None``: its ``peak_flops``) and ``attention_share`` the span of shares of peak a
+    fused attention kernel sustains on it (``None``: the GEMMs' share); both are unknowns
+    whose span the planner's range covers (:mod:`trainscale.planner.unknowns`).
     """
 
     nodes: int
@@ -206,6 +211,8 @@ class Cluster:
     memory_bandwidth: float = 3.35e12
     multiprocessors: int = 132
     max_matmul_share: float | None = 794.5 / 989
+    peak_flops_low: float | None = None
+    attention_share: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         for name in ("nodes", "gpus_per_node"):
@@ -218,6 +225,18 @@ class Cluster:
         if self.max_matmul_share is not None:
             share = _checks.positive("max_matmul_share", self.max_matmul_share, maximum=1.0)
             object.__setattr__(self, "max_matmul_share", share)
+        if self.peak_flops_low is not None:
+            low = _checks.positive("peak_flops_low", self.peak_flops_low, maximum=self.peak_flops)
+            object.__setattr__(self, "peak_flops_low", low)
+        if self.attention_share is not None:
+            low, high = (
+                _checks.positive("attention_share", x, maximum=1.0) for x in self.attention_share
+            )
+            if low > high:
+                raise ValueError(
+                    f"attention_share must be (slowest, fastest), got {self.attention_share}"
+                )
+            object.__setattr__(self, "attention_share", (low, high))
 
     @property
     def gpus(self) -> int:
@@ -306,7 +325,7 @@ width 14,336, a 128,256-token vocabulary, no dropout) at 131,072 tokens per sequ
 the example where context parallelism pays (chapters 13 and 14)."""
 
 
-def node_settings(gpu: str, inter_node_bandwidth: float) -> dict[str, float]:
+def node_settings(gpu: str, inter_node_bandwidth: float) -> dict[str, object]:
     """The :class:`Cluster` settings of one node of ``gpu`` (a key of
     :data:`trainscale.published.GPUS`), all but ``nodes``: its GPUs per node, memory,
     peak FLOP/s and NVLink bandwidth, with the given bytes per second per GPU to
@@ -321,6 +340,8 @@ def node_settings(gpu: str, inter_node_bandwidth: float) -> dict[str, float]:
         "memory_bandwidth": spec.memory_bandwidth,
         "multiprocessors": spec.multiprocessors,
         "max_matmul_share": spec.max_matmul_share,
+        "peak_flops_low": spec.peak_flops_low,
+        "attention_share": spec.attention_share,
     }
 
 

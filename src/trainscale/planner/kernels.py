@@ -4,7 +4,8 @@
 fixed cost, :func:`tile_overhead_k`); :func:`_layer_times_at` a layer's forward and
 backward, :func:`_roofline` a stage's; the GEMM share is read off Korthikanti et al.'s
 Table 4 (:data:`TABLE4_SECONDS`, :func:`table4_seconds`, :func:`gemm_share`,
-:data:`GEMM_SHARE`) and the tiles' fixed cost spans :func:`tile_overhead_range`.
+:data:`GEMM_SHARE`) at each setting of the unknowns it is tied to
+(:mod:`trainscale.planner.unknowns`), and :func:`_rates` moves it to a layout's GPU.
 :mod:`trainscale.planner.step` lists every term of the step time with its source.
 """
 
@@ -17,7 +18,9 @@ from trainscale import _checks
 from trainscale.checkpointing import layer_activation_bytes
 from trainscale.context import CAUSAL_WORK_SHARE
 from trainscale.planner.inputs import Cluster, Model, published_cluster, published_model
+from trainscale.planner.memory import every_other_matmul_share
 from trainscale.planner.traffic import _tensor_collective_seconds
+from trainscale.planner.unknowns import CENTRAL, ELEMENTWISE_TRAFFIC, Unknowns, band_value
 from trainscale.published import GPUS, published_runs
 
 TABLE4_SECONDS = {"forward": 7.7e-3, "backward": 11.9e-3}
@@ -32,13 +35,6 @@ TABLE4_GPU = "A100-80GB"
 TABLE4_RUN = "GPT 22B on 8 A100s, full recompute"
 """The calibration row (:func:`trainscale.published.published_runs`) whose model and
 GPUs :data:`TABLE4_SECONDS` timed."""
-
-ELEMENTWISE_TRAFFIC = {"low": 4.0, "point": 3.0, "high": 2.0}
-"""Bytes the element-wise kernels (norms, softmax, dropout, GeLU, residual adds) move
-per byte of activation a layer keeps for backward, over forward and backward
-together, by band (pessimistic ``low``). Derivation: each kept activation is written
-once forward and read once backward (2); the backward writes a gradient of each and
-reads inputs it did not keep (up to 2 more)."""
 
 
 TILE = (256, 128)
@@ -62,7 +58,7 @@ def tile_overhead_k(share: float, peak_flops: float, bandwidth: float) -> float:
     one stage, one memory latency). A second tile resident on the SM, or a persistent
     kernel, hides the output write (CUTLASS's "Efficient GEMM" notes: Hopper's
     persistent ping-pong kernel overlaps one warp group's output with the other's math);
-    :func:`tile_overhead_range` gives the span the range allows.
+    :data:`trainscale.planner.unknowns.TILE_OVERHEAD` gives the span the range allows.
     """
     rate = _checks.positive("share", share, maximum=1.0) * _checks.positive(
         "peak_flops", peak_flops
@@ -111,31 +107,52 @@ def gemm_seconds(
     return max(compute, batch * 2 * (m * k + k * n + m * n) / bw)
 
 
+@functools.lru_cache(maxsize=8192)
 def _layer_times(
     model: Model,
     cluster: Cluster,
     t: int,
     b: int,
     sp: bool,
-    band: str,
+    unknowns: Unknowns = CENTRAL,
     c: int = 1,
     ep: int = 1,
-    overhead: float = 1.0,
 ) -> tuple[float, float, float]:
-    """:func:`_layer_times_at` with the ``band`` of :func:`gemm_share` (at the tile
-    ``overhead``) and of :data:`ELEMENTWISE_TRAFFIC`."""
-    share = _gemm_share_on(cluster, band, overhead)
-    traffic = ELEMENTWISE_TRAFFIC[band]
-    return _layer_times_at(model, cluster, t, b, sp, share, traffic, c, ep, overhead)
+    """:func:`_layer_times_at` at one setting of the ``unknowns``: the GEMM share and the
+    attention kernel's rate of :func:`_rates`, the element-wise traffic and tile overhead."""
+    share, attention_rate = _rates(cluster, unknowns)
+    return _layer_times_at(
+        model,
+        cluster,
+        t,
+        b,
+        sp,
+        share,
+        unknowns.traffic,
+        c,
+        ep,
+        unknowns.tile_overhead,
+        attention_rate,
+    )
 
 
-def _gemm_share_on(cluster: Cluster, band: str, overhead: float) -> float:
-    """:func:`gemm_share`, read off A100s, on the ``cluster``'s GPU: scaled by the ratio
-    of the two GPUs' fastest measured GEMMs (``max_matmul_share``: 0.803 / 0.869 for an
-    H100), as is where the GPU's was not measured."""
+def _rates(cluster: Cluster, unknowns: Unknowns = CENTRAL) -> tuple[float, float]:
+    """``(GEMM share of peak, fused attention FLOP/s)`` on the ``cluster``'s GPU.
+
+    The share is :func:`gemm_share`, read off A100s at the unknowns' traffic and tile
+    overhead, scaled by the ratio of the two GPUs' fastest measured GEMMs
+    (``max_matmul_share``: 0.803 / 0.869 for an H100; as is where the GPU's was not
+    measured), and by the sustained peak of a power-limited GPU at the unknowns' ``peak``
+    band (``peak_flops_low``). The attention rate is the GPU's measured fused-attention
+    share (``attention_share``) at the unknowns' ``attention`` band, or the GEMM share
+    where none is measured."""
     reference = GPUS[TABLE4_GPU].max_matmul_share
     scale = 1.0 if cluster.max_matmul_share is None else cluster.max_matmul_share / reference
-    return gemm_share(overhead)[band] * scale
+    peaks = None if cluster.peak_flops_low is None else (cluster.peak_flops_low, cluster.peak_flops)
+    peak = band_value(peaks, unknowns.peak, cluster.peak_flops) / cluster.peak_flops
+    share = gemm_share(unknowns.tile_overhead, unknowns.traffic) * scale * peak
+    attention = band_value(cluster.attention_share, unknowns.attention, share / peak) * peak
+    return share, cluster.peak_flops * attention
 
 
 def _forward_and_backward(gemm, m: float, k: float, n: float, batch: float = 1):
@@ -175,6 +192,7 @@ def _layer_times_at(
     c: int = 1,
     ep: int = 1,
     overhead: float = 1.0,
+    attention_rate: float | None = None,
 ) -> tuple[float, float, float]:
     """Seconds of one layer on one GPU: ``(forward, its attention-score part, backward)``.
 
@@ -183,7 +201,9 @@ def _layer_times_at(
     output projection, the MLP's input (two matrices if gated) and output matrices, and
     per head ``Q K^T`` and the product with ``V`` (at the compute roof with a fused
     attention kernel, whose scores stay on chip and which skips the key blocks the
-    causal mask hides, :func:`_fused_attention_seconds`). Backward, each GEMM's two
+    causal mask hides, :func:`_fused_attention_seconds`, at ``attention_rate`` FLOP/s:
+    a fused kernel is not a GEMM, and runs at its own measured share of peak; ``None``:
+    the GEMM share's). Backward, each GEMM's two
     gradient GEMMs at their own shapes (:func:`_forward_and_backward`); a fused
     attention kernel's :data:`FUSED_BACKWARD_PASSES` times its forward. Plus the
     element-wise kernels: ``traffic`` (:data:`ELEMENTWISE_TRAFFIC`) x the bytes the
@@ -224,7 +244,8 @@ def _layer_times_at(
     shape = model.layer_shape
     kept = layer_activation_bytes(s // c, b, h, a, t, sp, "none", **shape)
     if shape["fused_attention"]:  # the software's, where the model leaves it
-        scores, scores_back = _fused_attention_seconds(pairs, s / c, s, d, peak * share)
+        rate = peak * share if attention_rate is None else attention_rate
+        scores, scores_back = _fused_attention_seconds(pairs, s / c, s, d, rate)
         score_bytes = 0.0
     else:  # Q K^T, then the probabilities times V
         qk = _forward_and_backward(gemm, s, d, s, pairs)
@@ -237,19 +258,21 @@ def _layer_times_at(
     return forward, scores + score_bytes * per_byte, backward
 
 
-def table4_seconds(share: float, overhead: float = 1.0) -> dict[str, float]:
+def table4_seconds(
+    share: float, overhead: float = 1.0, traffic: float = ELEMENTWISE_TRAFFIC["point"]
+) -> dict[str, float]:
     """The roofline's time of :data:`TABLE4_SECONDS`'s layer at GEMM ``share``, in
     seconds: forward (the layer, :func:`_layer_times_at`, plus its two synchronous
     tensor-parallel all-reduces) and backward (the layer's gradient GEMMs at their own
     shapes; the run's software overlapped the backward's two all-reduces with the
-    weight-gradient GEMMs, as the software documents it), element-wise traffic at its
-    central :data:`ELEMENTWISE_TRAFFIC`."""
+    weight-gradient GEMMs, as the software documents it), with the tiles' fixed cost at
+    ``overhead`` and the element-wise kernels moving ``traffic`` bytes per kept byte."""
     share = _checks.positive("share", share, maximum=1.0)
     overhead = _checks.non_negative("overhead", overhead)
+    traffic = _checks.positive("traffic", traffic)
     run = next(r for r in published_runs() if r.name == TABLE4_RUN)
     model, cluster = published_model(run).under(run.software), published_cluster(run)
     s, b, h, t = model.seq_len, run.micro_batch, model.hidden, run.tp
-    traffic = ELEMENTWISE_TRAFFIC["point"]
     forward, _, backward = _layer_times_at(
         model, cluster, t, b, False, share, traffic, 1, 1, overhead
     )
@@ -267,47 +290,53 @@ def _bisect(excess, low: float, high: float, steps: int = 32) -> float:
 
 
 @functools.cache
-def gemm_share(overhead: float = 1.0) -> dict[str, float]:
-    """The share of peak a compute-bound GEMM's main loop sustains, by band, read off
-    Korthikanti et al.'s Table 4 (:data:`TABLE4_SECONDS`) with the tiles' fixed cost at
-    ``overhead`` x :func:`tile_overhead_k`: ``low``, the share at which the roofline
-    reproduces the measured forward (:func:`table4_seconds`); ``point``, forward plus
-    backward; ``high``, the backward. An effective share: it also carries whatever the
-    measured layer spends that the roofline does not count. The two halves disagree
-    less as the tile cost grows (the forward's GEMMs have shorter ``k`` than the
-    backward's weight gradients), and agree at :func:`tile_overhead_range`'s upper end.
-    Not fitted to the published runs; one of the sources of :func:`estimate_run`'s range.
+def gemm_share(overhead: float = 1.0, traffic: float = ELEMENTWISE_TRAFFIC["point"]) -> float:
+    """The share of peak a compute-bound GEMM's main loop sustains on an A100, read off
+    Korthikanti et al.'s Table 4 (:data:`TABLE4_SECONDS`): the one share at which the
+    roofline (:func:`table4_seconds`) takes the measured 19.6 ms for the layer's forward
+    and backward together, given the tiles' fixed cost at ``overhead`` x
+    :func:`tile_overhead_k` and ``traffic`` bytes of element-wise traffic per kept byte.
+    The three are tied: the more time the element-wise kernels and the tiles' writes take,
+    the faster the GEMMs must run for the layer to take what it measured
+    (:mod:`trainscale.planner.unknowns`). An effective share: it also carries whatever the
+    measured layer spends that the roofline does not count. Not fitted to the published
+    runs. (Read apart, the two halves of Table 4 want different shares,
+    :func:`table4_half_shares`: the roofline puts a larger part of the layer in its
+    backward than the measurement does, an error of the model that the central estimate
+    averages.)
     """
     scale = _checks.non_negative("overhead", overhead)
-    measured = TABLE4_SECONDS
-    targets = {
-        "low": lambda share: table4_seconds(share, scale)["forward"] - measured["forward"],
-        "point": lambda share: sum(table4_seconds(share, scale).values()) - sum(measured.values()),
-        "high": lambda share: table4_seconds(share, scale)["backward"] - measured["backward"],
-    }
+    bytes_per_byte = _checks.positive("traffic", traffic)
+    measured = sum(TABLE4_SECONDS.values())
+
+    def excess(share: float) -> float:  # time falls as the share rises
+        return sum(table4_seconds(share, scale, bytes_per_byte).values()) - measured
+
+    if excess(1.0) > 0:
+        raise ValueError(
+            "overhead and traffic must leave Table 4's layer slower than the roofline at full"
+            f" peak, got overhead {overhead} and traffic {traffic}"
+        )
+    return round(_bisect(excess, 0.05, 1.0), 4)
+
+
+def table4_half_shares(
+    overhead: float = 1.0, traffic: float = ELEMENTWISE_TRAFFIC["point"]
+) -> dict[str, float]:
+    """The GEMM shares at which the roofline reproduces each half of Table 4 alone:
+    ``{"forward": ..., "backward": ...}`` (the gap between them is the model's error at
+    the one layer it is read off, shown in the appendix, not a range)."""
+    scale = _checks.non_negative("overhead", overhead)
+    bytes_per_byte = _checks.positive("traffic", traffic)
     shares = {}
-    for band, excess in targets.items():  # time falls as the share rises
+    for half, measured in TABLE4_SECONDS.items():
+        excess = lambda share, h=half, m=measured: (  # noqa: E731
+            table4_seconds(share, scale, bytes_per_byte)[h] - m
+        )
         if excess(1.0) > 0:
-            raise ValueError(
-                f"overhead must leave Table 4's layer slower than the roofline at full peak "
-                f"(up to about 8), got {overhead}"
-            )
-        shares[band] = round(_bisect(excess, 0.05, 1.0), 4)
+            raise ValueError(f"Table 4's {half} is faster than the roofline at full peak")
+        shares[half] = round(_bisect(excess, 0.05, 1.0), 4)
     return shares
-
-
-@functools.cache
-def tile_overhead_range() -> tuple[float, float]:
-    """How much of the tiles' fixed cost (:func:`tile_overhead_k`) a GEMM pays at the two
-    ends of :func:`estimate_run`'s range, in multiples of that first-order count (1 in
-    the central estimate): none (a co-resident tile or a persistent kernel hides it),
-    and the most Korthikanti et al.'s Table 4 can carry: the multiple at which one
-    share reproduces both its forward and its backward (:func:`gemm_share`'s ``low`` and
-    ``high`` meet), so all of their disagreement is put down to the tiles' fixed cost.
-    Each end reads its own share off Table 4, so the band is narrow at Table 4's shapes
-    and widens with the distance from them."""
-    gap = lambda overhead: gemm_share(overhead)["high"] - gemm_share(overhead)["low"]  # noqa: E731
-    return 0.0, round(_bisect(gap, 0.0, 8.0, steps=16), 2)
 
 
 @functools.lru_cache(maxsize=8192)  # many layouts share a stage (the ZeRO stages, DP)
@@ -319,11 +348,11 @@ def _roofline(
     layers,
     mode,
     sp,
-    band,
+    unknowns: Unknowns = CENTRAL,
     ends_short: int = 0,
     c: int = 1,
     ep: int = 1,
-    overhead: float = 1.0,
+    selective: str = "scores",
 ) -> tuple[float, float, float]:
     """Forward, backward and recomputation seconds of one micro-batch on the slowest stage.
 
@@ -334,11 +363,16 @@ def _roofline(
     pipeline runs at the pace of the slower of the two, forward, backward and
     recomputation together. Backward: the layers' (:func:`_layer_times`: each GEMM's two
     gradient GEMMs at their own shapes) and the output layer's. Full recomputation
-    repeats the forward of the stage's layers, selective the score part (nothing more
-    with a fused kernel, whose backward already does).
+    repeats the forward of the stage's layers; selective, what the software's policy
+    (``selective``, :data:`trainscale.software.SELECTIVE_RECOMPUTE`) recomputes: the score
+    part (nothing with a fused kernel, whose backward rebuilds the scores anyway), the
+    core attention (the fused kernel's forward too), or every other matrix product and
+    every element-wise kernel (:func:`trainscale.planner.memory.every_other_matmul_share`
+    of the forward GEMMs' time, taken as their FLOP share, and the forward's element-wise
+    time).
     """
-    layer, score, layer_back = _layer_times(model, cluster, t, b, sp, band, c, ep, overhead)
-    rows, share = b * model.seq_len / c, _gemm_share_on(cluster, band, overhead)
+    layer, score, layer_back = _layer_times(model, cluster, t, b, sp, unknowns, c, ep)
+    rows, share = b * model.seq_len / c, _rates(cluster, unknowns)[0]
     bw = cluster.memory_bandwidth
     gemm = functools.partial(
         gemm_seconds,
@@ -346,16 +380,26 @@ def _roofline(
         bandwidth=bw,
         share=share,
         multiprocessors=cluster.multiprocessors,
-        tile_overhead=overhead,
+        tile_overhead=unknowns.tile_overhead,
     )
     head, head_back = _forward_and_backward(gemm, rows, model.hidden, model.vocab / t)
-    logits = 4 * rows * model.vocab / t * ELEMENTWISE_TRAFFIC[band] / 3 / bw
+    logits = 4 * rows * model.vocab / t * unknowns.traffic / 3 / bw
     head, head_back = head + logits, head_back + 2 * logits
     last_layers = layers - (ends_short >= 2)
 
+    if selective == "every other matmul":
+        rates = _rates(cluster, unknowns)
+        bare = _layer_times_at(
+            model, cluster, t, b, sp, rates[0], 0.0, c, ep, unknowns.tile_overhead, rates[1]
+        )[0]  # the forward without its element-wise kernels
+        again = every_other_matmul_share(model) * (bare - score) + (layer - bare)
+    elif selective == "core attention" or not model.layer_shape["fused_attention"]:
+        again = score
+    else:
+        again = 0.0
+
     def stage(count: int, head: float, head_back: float) -> tuple[float, float, float]:
-        selective = 0.0 if model.layer_shape["fused_attention"] else count * score
-        recompute = {"full": count * layer, "selective": selective, "none": 0.0}[mode]
+        recompute = {"full": count * layer, "selective": count * again, "none": 0.0}[mode]
         return count * layer + head, count * layer_back + head_back, recompute
 
     middle, last = stage(layers, 0.0, 0.0), stage(last_layers, head, head_back)
@@ -363,10 +407,10 @@ def _roofline(
 
 
 def __getattr__(name: str) -> object:
-    """``GEMM_SHARE``: the central estimate's GEMM share by band (:func:`gemm_share` at the
-    counted tile overhead): about 0.62, 0.67 and 0.70 of peak, an effective share of a
-    compute-bound GEMM's main loop on an A100. Read off Table 4 when first asked for (and
-    cached by :func:`gemm_share`), not when the planner is imported."""
+    """``GEMM_SHARE``: the central estimate's GEMM share (:func:`gemm_share` at the central
+    unknowns), an effective share of a compute-bound GEMM's main loop on an A100. Read off
+    Table 4 when first asked for (and cached by :func:`gemm_share`), not when the planner
+    is imported."""
     if name == "GEMM_SHARE":
-        return gemm_share(1.0)
+        return gemm_share(CENTRAL.tile_overhead, CENTRAL.traffic)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

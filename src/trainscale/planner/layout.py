@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from trainscale import _checks
 from trainscale.memory import STATE_GROUPS
-from trainscale.planner.traffic import OVERLAP
+from trainscale.planner.unknowns import CENTRAL, Unknowns
 from trainscale.software import DEFAULT_SOFTWARE, Software
 
 KERNEL_EFFICIENCY = 0.6
@@ -134,11 +134,10 @@ class _Options:
     efficiency: float | None
     usable_memory: float
     max_bubble: float
-    band: str = "point"
+    unknowns: Unknowns = CENTRAL
     schedule: str = "1f1b"
     software: Software = DEFAULT_SOFTWARE
     overlap: float | None = None  # pinned share hidden (estimate_run); None: the software's
-    overhead: float = 1.0  # the tiles' fixed cost, x tile_overhead_k (tile_overhead_range)
 
 
 def _options(
@@ -147,16 +146,17 @@ def _options(
     efficiency: object,
     usable_memory: object,
     max_bubble: object,
-    band: str = "point",
+    unknowns: Unknowns = CENTRAL,
     schedule: object = "1f1b",
     *,
     software: Software = DEFAULT_SOFTWARE,
     overlap: float | None = None,
-    overhead: float = 1.0,
 ) -> _Options:
-    """Checked options; ``software`` the stack (its documented overlap, else the band's),
-    ``overlap`` a share of communication hidden that replaces both, ``overhead`` the
-    tiles' fixed cost's multiple."""
+    """Checked options; ``unknowns`` the setting of what no source pins
+    (:mod:`trainscale.planner.unknowns`), ``software`` the stack (its documented overlap,
+    else the unknowns'), ``overlap`` a share of communication hidden that replaces both."""
+    if not isinstance(unknowns, Unknowns):
+        raise ValueError(f"unknowns must be a planner.Unknowns, got {type(unknowns).__name__}")
     return _Options(
         sequence_parallel=_checks.boolean("sequence_parallel", sequence_parallel),
         virtual_stages=_checks.count("virtual_stages", virtual_stages, minimum=1),
@@ -165,11 +165,10 @@ def _options(
         else _checks.positive("efficiency", efficiency, maximum=1.0),
         usable_memory=_checks.positive("usable_memory", usable_memory, maximum=1.0),
         max_bubble=_checks.fraction("max_bubble", max_bubble),
-        band=str(_checks.choice("band", band, tuple(OVERLAP))),
+        unknowns=unknowns,
         schedule=str(_checks.choice("schedule", schedule, SCHEDULES)),
         software=software,
         overlap=overlap,
-        overhead=overhead,
     )
 
 

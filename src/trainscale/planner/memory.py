@@ -31,8 +31,10 @@ import math
 
 from trainscale import _checks
 from trainscale.checkpointing import layer_activation_bytes
+from trainscale.context import gradient_reduce_ranks
 from trainscale.memory import StateDtypes, model_state_groups
 from trainscale.planner.inputs import Model, _recompute
+from trainscale.software import DEFAULT_SOFTWARE, Software
 
 
 def _stage(model: Model, pp: int, virtual_stages: int) -> tuple[int, int, float, int]:
@@ -86,15 +88,24 @@ def stage_params(model: Model, tp: int, pp: int, virtual_stages: int = 1) -> int
 
 
 def model_state_per_gpu(
-    model: Model, tp: int, pp: int, dp: int, zero_stage: int, virtual_stages: int = 1
+    model: Model,
+    tp: int,
+    pp: int,
+    dp: int,
+    zero_stage: int,
+    virtual_stages: int = 1,
+    context_parallel: int = 1,
 ) -> dict[str, int]:
     """Bytes of weights, gradients and optimiser state on one GPU of the fullest stage.
 
     The stage's parameters are divided over TP (:func:`stage_params`), then ZeRO
-    shards them over DP with :func:`trainscale.memory.model_state_groups`.
+    shards them over the ranks that hold the same weights with
+    :func:`trainscale.memory.model_state_groups`: the DP ranks and the
+    ``context_parallel`` ranks, which split the tokens, not the weights
+    (:func:`trainscale.context.gradient_reduce_ranks`, chapter 14).
     """
     per_gpu = stage_params(model, tp, pp, virtual_stages)
-    return dict(_state(per_gpu, _checks.count("dp", dp, minimum=1), zero_stage))
+    return dict(_state(per_gpu, gradient_reduce_ranks(dp, context_parallel), zero_stage))
 
 
 FP32_GRADIENTS = StateDtypes(gradients="float32")
@@ -122,10 +133,16 @@ def _activations(
     sp: bool,
     v: int,
     c: int = 1,
+    software: Software = DEFAULT_SOFTWARE,
 ) -> float:
     """Activation bytes on the fullest pipeline stage (see :func:`activation_bytes_per_gpu`)."""
     s, h, a, vocab = model.seq_len // c, model.hidden, model.heads, model.vocab
-    per_layer = layer_activation_bytes(s, b, h, a, t, sp, mode, **model.layer_shape)
+    if mode == "selective" and software.selective_recompute == "every other matmul":
+        per_layer = every_other_matmul_bytes(model, s, b, t, sp)
+    else:
+        keep = sp and t > 1 and software.sequence_parallel_style == "keep gathered"
+        shape = {**model.layer_shape, "keep_gathered_inputs": keep}
+        per_layer = layer_activation_bytes(s, b, h, a, t, sp, mode, **shape)
     t_sp = t if sp else 1
     embedding = s * b * h / t_sp if model.layer_shape["dropout"] else 0.0  # 1-byte dropout mask
     output = 4 * s * b * h / t_sp + 4 * s * b * vocab / t  # final norm, output input, fp32 logits
@@ -157,6 +174,44 @@ def _activations(
     middle = min(v * p + p - 3, v * m) * per_chunk * per_layer if p > 2 else 0.0
     last = last_chunks * last_per_chunk * per_layer + output
     return max(first, middle if short else 0.0, last)
+
+
+def layer_matmuls(model: Model) -> list[tuple[int, int, bool]]:
+    """A layer's forward matrix products in the order they run: ``(inputs, outputs,
+    column-parallel)`` widths per token (queries, keys, values, the output projection,
+    the MLP's input matrices, gate first when gated, and its output matrix; a mixture of
+    experts' ``top_k`` experts as one MLP). Column-parallel products split their output
+    over TP; row-parallel ones (the output projection, the MLP's output) produce a whole
+    ``hidden`` partial sum on every rank."""
+    h, d = model.hidden, model.hidden // model.heads
+    kv = (model.kv_heads or model.heads) * d
+    ffn = model.top_k * model.expert_width if model.experts else model.ffn_hidden or 4 * h
+    mlp_in = [(h, ffn, True)] * (2 if model.gated_mlp else 1)
+    return [(h, h, True), (h, kv, True), (h, kv, True), (h, h, False), *mlp_in, (ffn, h, False)]
+
+
+def every_other_matmul_bytes(model: Model, s: int, b: int, t: int, sp: bool) -> float:
+    """Bytes one layer keeps for backward under torchtitan's per-op selective policy
+    (``selective_ac_option = "op"``, torchtitan/parallelisms/parallelize_llama.py@9dec370,
+    lines 214-276): the checkpointed block's 16-bit input (split by TP with sequence
+    parallelism), the outputs of the 1st, 3rd, 5th, ... matrix products
+    (:func:`layer_matmuls`; the others are recomputed), the attention kernel's output and
+    its fp32 per-row statistic; everything element-wise is recomputed. ``s`` tokens of
+    ``b`` sequences on one of ``t`` tensor-parallel ranks."""
+    tokens = s * b
+    kept = 2 * tokens * model.hidden / (t if sp else 1)
+    for position, (_, width, column) in enumerate(layer_matmuls(model), start=1):
+        if position % 2:
+            kept += 2 * tokens * width / (t if column else 1)
+    kept += 2 * tokens * model.hidden / t + 4 * tokens * model.heads / t  # attention's output
+    return kept
+
+
+def every_other_matmul_share(model: Model) -> float:
+    """The share of a layer's forward matrix-product FLOPs torchtitan's per-op policy
+    recomputes: the 2nd, 4th, ... products of :func:`layer_matmuls`."""
+    flops = [width_in * width_out for width_in, width_out, _ in layer_matmuls(model)]
+    return sum(flops[1::2]) / sum(flops)
 
 
 def activation_bytes_per_gpu(
@@ -225,12 +280,13 @@ def _model_state(
     """
     experts = per_stage * model.expert_params_per_layer
     dense_gpu = -(-(stage_total - experts) // t)
-    state = dict(_state(dense_gpu, d * c, zero, fp32))
+    holders = gradient_reduce_ranks(d, c)  # DP x CP hold the same dense weights
+    state = dict(_state(dense_gpu, holders, zero, fp32))
     if not experts:
         return state, dense_gpu
     expert_gpu = -(-experts // (t * ep))
-    group = d * c // ep
+    group = holders // ep
     for key, value in _state(expert_gpu, group, zero, fp32):
         state[key] += value
-    ring, expert_ring = (d * c - 1) / (d * c), (group - 1) / group
+    ring, expert_ring = (holders - 1) / holders, (group - 1) / group
     return state, dense_gpu + math.ceil(expert_gpu * expert_ring / ring if ring else 0)

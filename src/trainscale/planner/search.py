@@ -24,7 +24,6 @@ from collections.abc import Iterable, Sequence
 
 from trainscale import _checks
 from trainscale.checkpointing import RECOMPUTE
-from trainscale.context import cp_beats_tp_local_tokens, cp_hiding_threshold_tokens
 from trainscale.memory import USABLE_MEMORY
 from trainscale.planner.inputs import (
     Cluster,
@@ -36,14 +35,15 @@ from trainscale.planner.inputs import (
     _zero,
 )
 from trainscale.planner.layout import (
-    KERNEL_EFFICIENCY,
     MAX_BUBBLE,
     VERDICTS,
     Layout,
     _options,
     _Shape,
 )
+from trainscale.planner.memory import _chunks_fit
 from trainscale.planner.step import _evaluate
+from trainscale.planner.unknowns import CENTRAL
 from trainscale.software import Software
 
 
@@ -98,6 +98,7 @@ def plan(
     software: Software | str | None = None,
     context_parallel: Sequence[int] | None = None,
     expert_parallel: Sequence[int] | None = None,
+    tensor_parallel: Sequence[int] | None = None,
 ) -> list[Layout]:
     """Every layout of ``cluster.gpus`` GPUs, estimated and ranked.
 
@@ -107,6 +108,8 @@ def plan(
     dropout, gradient dtype, the ZeRO stages and interleaving its engine accepts (layouts
     it refuses are ``invalid``, with its reason) and what it overlaps. ``zero_stages``
     ``None`` tries every stage the software offers.
+    ``tensor_parallel`` are the TP degrees to try (``None``: every divisor of the GPU
+    count; those that do not divide it are left out).
     ``context_parallel`` and ``expert_parallel`` are the CP and EP degrees to try;
     ``None`` tries those that can help (:func:`context_parallel_degrees`,
     :func:`expert_parallel_degrees`): for a dense model with short sequences only 1.
@@ -142,7 +145,7 @@ def plan(
         )
     options = {
         v: _options(
-            *(sequence_parallel, v, efficiency, usable_memory, max_bubble, "point", schedule),
+            *(sequence_parallel, v, efficiency, usable_memory, max_bubble, CENTRAL, schedule),
             software=stack,
         )
         for v in depths
@@ -158,6 +161,10 @@ def plan(
         if expert_parallel is None
         else _subset("expert_parallel", expert_parallel, _micro, "whole numbers >= 1")
     )
+    tps = _divisors(gpus)
+    if tensor_parallel is not None:
+        wanted = _subset("tensor_parallel", tensor_parallel, _micro, "whole numbers >= 1")
+        tps = [t for t in tps if t in wanted]
     problem = _Problem(model, cluster, batch)
     layouts = [
         _evaluate(
@@ -174,11 +181,11 @@ def plan(
             ),
             options[v],
         )
-        for t in _divisors(gpus)
+        for t in tps
         for c in cps
         if (gpus // t) % c == 0
         for p in _divisors(gpus // (t * c))
-        for v in (depths if p > 1 else depths[:1])
+        for v in _depths_to_try(depths, model.layers, p)
         for ep in eps
         if (gpus // (t * c * p)) % ep == 0
         for zero in stages
@@ -188,24 +195,37 @@ def plan(
     return sorted(layouts, key=_sort_key)
 
 
+def _depths_to_try(depths: tuple[int, ...], layers: int, pp: int) -> tuple[int, ...]:
+    """The interleaving depths worth a layout at ``pp`` stages: none without a pipeline
+    (the first depth stands for it), and only those whose chunks fit the layers
+    (:func:`trainscale.planner.memory._chunks_fit`), or the first when none does, so that a
+    pipeline too deep for the model still shows why it is invalid."""
+    if pp == 1:
+        return depths[:1]
+    fitting = tuple(v for v in depths if _chunks_fit(layers, pp, v))
+    return fitting or depths[:1]
+
+
+CP_MIN_LOCAL_TOKENS = 1024
+"""The fewest tokens of a sequence one context-parallel rank holds in the search: 8 of the
+128-token blocks a FlashAttention kernel works in (Dao 2023, arXiv 2307.08691), below which
+each step of the ring moves and computes too little to be worth a rank. A bound on the
+search, not a verdict: the cost model ranks every degree it tries."""
+
+
 def context_parallel_degrees(
     model: Model, cluster: Cluster, software: Software | str | None = None
 ) -> tuple[int, ...]:
     """The CP degrees :func:`plan` tries by default: 1, and each power of two ``c`` up to
-    the GPU count for which CP can help, on ``software`` (as :func:`plan` takes it).
-
-    CP needs a fused attention kernel (ring attention keeps the online softmax's
-    running sums, never the ``s x s`` scores) and ``2 c`` equal chunks of the sequence
-    (the zig-zag layout that balances the causal mask, chapter 14). Degree ``c`` is
-    tried when a GPU's ``s / c`` tokens are at least both thresholds of chapter 14:
-    :func:`trainscale.context.cp_beats_tp_local_tokens` for ``c`` shards (``9 h g /
-    (c - 1)`` tokens, ``g`` the share of key-value heads: from there the ring's
-    traffic per FLOP is below that of a TP group of the same size, so splitting the
-    sequence costs less than splitting the layers further), and
-    :func:`trainscale.context.cp_hiding_threshold_tokens` over the inter-node link (the
-    ring's traffic hides under attention even between nodes). At
-    :data:`KERNEL_EFFICIENCY`. A 4,096-token, 8,192-wide model never qualifies, nor do
-    Llama 3 405B's 8,192 tokens; 131,072 tokens with grouped-query attention do.
+    the GPU count that splits the sequence into ``2 c`` equal chunks (the zig-zag layout
+    that balances the causal mask, chapter 14) of at least :data:`CP_MIN_LOCAL_TOKENS`
+    tokens per rank, on ``software`` (as :func:`plan` takes it). CP needs a fused attention
+    kernel (ring attention keeps the online softmax's running sums, never the ``s x s``
+    scores). Whether a degree pays is the cost model's to say
+    (:func:`trainscale.planner.traffic._context_parallel_seconds` against the layer it
+    splits); chapter 14's thresholds (:func:`trainscale.context.cp_beats_tp_local_tokens`,
+    :func:`trainscale.context.cp_hiding_threshold_tokens`) explain the ranking, they do
+    not gate it.
     """
     if not isinstance(model, Model):
         raise ValueError(f"model must be a planner.Model, got {type(model).__name__}")
@@ -213,17 +233,12 @@ def context_parallel_degrees(
         raise ValueError(f"cluster must be a planner.Cluster, got {type(cluster).__name__}")
     if not model.under(_software(software)).fused_attention:
         return (1,)
-    share = (model.kv_heads or model.heads) / model.heads
-    peak, link = cluster.peak_flops, cluster.inter_node_bandwidth
-    hides = cp_hiding_threshold_tokens(peak, KERNEL_EFFICIENCY, link, kv_share=share)
     degrees, c = [1], 2
-    while c <= cluster.gpus and model.seq_len % (2 * c) == 0:
-        local = model.seq_len / c
-        beats = cp_beats_tp_local_tokens(
-            model.hidden, c, peak, KERNEL_EFFICIENCY, link, kv_share=share
-        )
-        if local < max(beats, hides):
-            break
+    while (
+        c <= cluster.gpus
+        and model.seq_len % (2 * c) == 0
+        and model.seq_len // c >= CP_MIN_LOCAL_TOKENS
+    ):
         degrees.append(c)
         c *= 2
     return tuple(degrees)

@@ -69,11 +69,16 @@ charged at the cluster's per-GPU bandwidth of the slowest hop it crosses.
 
 from __future__ import annotations
 
+import functools
+
 from trainscale import _checks
 from trainscale.checkpointing import selective_recompute_flops
+from trainscale.collectives import layer_collectives
 from trainscale.compute import FLOPS_PER_PARAM_PER_TOKEN, mfu
+from trainscale.context import gradient_reduce_ranks
 from trainscale.memory import BYTES_PER_PARAM, GIB, OPTIMIZER_STATE, USABLE_MEMORY
-from trainscale.pipeline import bubble, bubble_zb_h1
+from trainscale.pipeline import bubble as _bubble
+from trainscale.pipeline import bubble_zb_h1
 from trainscale.planner.inputs import (
     Cluster,
     Model,
@@ -95,7 +100,6 @@ from trainscale.planner.layout import (
 )
 from trainscale.planner.memory import _activations, _chunks_fit, _model_state, _stage
 from trainscale.planner.traffic import (
-    OVERLAP,
     _context_parallel_seconds,
     _data_parallel_seconds,
     _expert_parallel_seconds,
@@ -104,6 +108,7 @@ from trainscale.planner.traffic import (
     _zero3_extra,
     _zero3_prefetch,
 )
+from trainscale.planner.unknowns import CENTRAL
 from trainscale.software import Software
 
 _OPTIMISER_BYTES = sum(BYTES_PER_PARAM[part] for part in OPTIMIZER_STATE)  # 12 per parameter
@@ -118,6 +123,24 @@ weights are copied from the fp32 ones (4 + 2); the gradient buffer is zeroed for
 next step (4). With fp16, loss scaling adds a copy of the 16-bit gradients to fp32 and
 the unscaling pass (6 + 8 more). The planner charges 42 for every run, fp16 ones
 included (the difference is under a thousandth of their steps)."""
+
+
+@functools.lru_cache(maxsize=4096)
+def bubble(p: int, m: int, v: int) -> float:
+    """:func:`trainscale.pipeline.bubble`, remembered (the search asks for few)."""
+    return _bubble(p, m, v)
+
+
+@functools.cache
+def _tensor_halves(style: str) -> dict[str, int]:
+    """Half-collectives (an all-reduce counts two) one layer runs per pass under a
+    sequence-parallel ``style`` of :data:`trainscale.software.SEQUENCE_PARALLEL_STYLES`
+    (``""``: none), from :func:`trainscale.parallel.layer_collectives`."""
+    counts = layer_collectives(style or "none")
+    return {
+        phase: sum(n * (2 if kind == "all-reduce" else 1) for kind, n in kinds.items())
+        for phase, kinds in counts.items()
+    }
 
 
 def _evaluate(problem: _Problem, shape: _Shape, opt: _Options) -> Layout:
@@ -157,9 +180,9 @@ def _evaluate(problem: _Problem, shape: _Shape, opt: _Options) -> Layout:
     _, per_stage, imbalance, stage_total = _stage(model, p, v)
     fp32 = opt.software.gradient_reduce_dtype == "fp32"
     state, per_gpu = _model_state(model, per_stage, stage_total, t, d, c, ep, zero, fp32)
-    dp_ranks = d * c  # the ranks that hold the same dense parameters
+    dp_ranks = gradient_reduce_ranks(d, c)  # the ranks that hold the same dense weights
     grad_bytes = opt.software.gradient_bytes
-    activations = _activations(model, t, p, b, m, mode, opt.sequence_parallel, v, c)
+    activations = _activations(model, t, p, b, m, mode, opt.sequence_parallel, v, c, opt.software)
     memory_parts = {**state, "activations": activations}
     memory = sum(memory_parts.values())
 
@@ -167,12 +190,23 @@ def _evaluate(problem: _Problem, shape: _Shape, opt: _Options) -> Layout:
     # kernel (efficiency=None), or 6N FLOPs at one achievable FLOP rate.
     if opt.efficiency is None:
         short = -(-model.layers // (p * v)) * p * v - model.layers if p > 1 else 0
-        sp, band, overhead = opt.sequence_parallel, opt.band, opt.overhead
+        sp, unknowns = opt.sequence_parallel, opt.unknowns
         forward, backward, recompute = _roofline(
-            model, cluster, t, b, per_stage, mode, sp, band, short, c, ep, overhead
+            model,
+            cluster,
+            t,
+            b,
+            per_stage,
+            mode,
+            sp,
+            unknowns,
+            short,
+            c,
+            ep,
+            opt.software.selective_recompute,
         )
         compute = forward + backward
-        attention = _layer_times(model, cluster, t, b, sp, band, c, ep, overhead)[1]
+        attention = _layer_times(model, cluster, t, b, sp, unknowns, c, ep)[1]
     else:
         rate = cluster.peak_flops * opt.efficiency
         six = sum(FLOPS_PER_PARAM_PER_TOKEN.values())
@@ -186,28 +220,32 @@ def _evaluate(problem: _Problem, shape: _Shape, opt: _Options) -> Layout:
             recompute = selective_recompute_flops(s, b, h, t) * per_stage / rate
         else:
             recompute = 0.0
-    overlap = 1.0 if opt.efficiency is not None else OVERLAP[opt.band]
+    overlap = 1.0 if opt.efficiency is not None else opt.unknowns.overlap
     documented = opt.software.overlap_shares(p, zero)  # what the stack's code shows
     if opt.overlap is not None:  # a share pinned by the caller replaces both
         documented = (opt.overlap, opt.overlap)
     data_overlap = overlap if documented[0] is None else documented[0]
     tensor_overlap = overlap if documented[1] is None else documented[1]
 
-    # Tensor parallelism: 2 all-reduces forward, 2 backward (and 2 more when the
-    # forward is recomputed), of s x b x h 16-bit values, per layer and micro-batch.
+    # Tensor parallelism: the layer's collectives of s x b x h 16-bit values per
+    # micro-batch (chapter 06's count, trainscale.parallel.layer_collectives): 2
+    # all-reduces forward and 2 backward, or their halves with sequence parallelism,
+    # plus 2 all-gathers in backward where the stack gathers the input again
+    # (Megatron-LM); the forward's again when it is recomputed.
     tp_link = inter if tp_across else intra
-    collectives = 6 if mode == "full" else 4
-    tensor = per_stage * collectives * _tensor_collective_seconds(s, b, h, t, tp_link)
-    if opt.efficiency is None:  # the backward's two hide under weight-gradient GEMMs
-        tensor -= tensor_overlap * min(tensor * 2 / collectives, backward / 2)
+    halves = _tensor_halves(opt.software.sequence_parallel_style if opt.sequence_parallel else "")
+    forward_halves = halves["forward"] * (2 if mode == "full" else 1)
+    half = _tensor_collective_seconds(s / c, b, h, t, tp_link) / 2  # a CP rank's tokens
+    tensor = per_stage * (forward_halves + halves["backward"]) * half
+    if opt.efficiency is None:  # the backward's hide under the gradient GEMMs
+        tensor -= tensor_overlap * min(per_stage * halves["backward"] * half, backward / 2)
 
     # Context and expert parallelism: ring attention's keys and values, the MoE
     # all-to-alls. Megatron's rank order TP, CP, DP (EP inside DP), PP.
     cp_link = intra if gpn % (t * c) == 0 else inter
     ep_link = intra if gpn % (t * c * ep) == 0 else inter
-    context = _context_parallel_seconds(
-        model, t, b, c, per_stage, mode, cp_link, attention, overlap
-    )
+    hides = overlap if opt.software.context_parallel_style == "ring" else 0.0  # all-gather: none
+    context = _context_parallel_seconds(model, t, b, c, per_stage, mode, cp_link, attention, hides)
     expert = _expert_parallel_seconds(model, t, b, c, ep, per_stage, mode, ep_link)
 
     # Pipeline: each micro-batch sends its activations forward and its gradient
@@ -395,7 +433,7 @@ def evaluate(
         efficiency,
         usable_memory,
         max_bubble,
-        "point",
+        CENTRAL,
         schedule,
         software=stack,
     )

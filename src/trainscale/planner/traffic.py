@@ -36,8 +36,9 @@ from __future__ import annotations
 
 import functools
 
-from trainscale.collectives import ALL_TO_ALLS_PER_LAYER, all_to_all_bytes_per_rank, ring_factor
+from trainscale.collectives import ring_factor
 from trainscale.context import ring_bytes_per_rank
+from trainscale.experts import ALL_TO_ALLS_PER_LAYER, all_to_all_bytes_per_rank
 from trainscale.planner.inputs import Model
 from trainscale.sharding import ZERO_COLLECTIVES
 from trainscale.sharding import zero_collective_bytes as _zero_collective_bytes
@@ -46,22 +47,13 @@ zero_collective_bytes = functools.lru_cache(maxsize=8192)(_zero_collective_bytes
 """:func:`trainscale.sharding.zero_collective_bytes`, remembered: the search asks for the same
 stage's bytes once per ZeRO stage, micro-batch and recomputation mode (read only)."""
 
-OVERLAP = {"low": 0.0, "point": 0.5, "high": 1.0}
-"""Share of the communication that *can* hide under compute that does hide, by band
-(where the software documents it, :meth:`trainscale.software.Software.overlap_shares`
-replaces the band):
-data-parallel traffic under the backward (and ZeRO-3's gathers under the forward),
-and the backward's tensor-parallel collectives under the weight-gradient GEMMs
-(Korthikanti et al. section 6.2 overlap them; their Table 5 runs do not overlap the
-data-parallel all-reduce). The other source of :func:`estimate_run`'s range."""
-
-
 COLLECTIVE_STEP_SECONDS = 5e-6
 """Latency of one step of a ring collective between nodes, in seconds (an assumption:
 NCCL's per-hop latency over InfiniBand is a few microseconds). A ring over ``n`` GPUs
 takes ``n - 1`` steps, so it matters only where collectives are many and small."""
 
 
+@functools.lru_cache(maxsize=4096)
 def _tensor_collective_seconds(s: float, b: int, h: int, t: int, link: float) -> float:
     """One tensor-parallel all-reduce of a layer's ``s x b x h`` 16-bit activations over
     ``t`` GPUs: ring cost (:func:`trainscale.collectives.ring_factor`) at ``link`` B/s."""
@@ -162,6 +154,7 @@ def _zero3_prefetch(
     return gather + ahead + gathers * gather + behind + scatter
 
 
+@functools.lru_cache(maxsize=8192)
 def _context_parallel_seconds(
     model: Model,
     t: int,

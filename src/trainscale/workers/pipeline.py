@@ -147,7 +147,7 @@ class _Sleep(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         layer = ctx.layer
-        kind = INPUT if layer.weight_s else BACKWARD
+        kind = INPUT if layer.split else BACKWARD
         layer._run(kind, layer.backward_s - layer.weight_s)
         return grad, None
 
@@ -171,28 +171,45 @@ class SimulatedCompute(nn.Module):
     """A layer that returns its input unchanged after ``forward_s`` seconds, and
     passes the gradient back after ``backward_s`` seconds.
 
-    With ``weight_s > 0`` the layer also holds a weight, ``clock`` (a zero that
-    the output adds times zero, so the output is unchanged), and ``weight_s`` of
-    the ``backward_s`` is spent computing its gradient, on a path of the graph
-    that only the weight gradient follows: a schedule that splits the backward
-    runs ``backward_s - weight_s`` in the input pass and ``weight_s`` in the
+    With ``weight_s > 0`` (or ``split=True``) the layer also holds a weight,
+    ``clock`` (a zero that the output adds times zero, so the output is unchanged),
+    and ``weight_s`` of the ``backward_s`` is spent computing its gradient, on a path
+    of the graph that only the weight gradient follows: a schedule that splits the
+    backward runs ``backward_s - weight_s`` in the input pass and ``weight_s`` in the
     weight pass. ``events`` lists ``(kind, start, end)`` for every pass, in
     ``time.perf_counter()`` seconds (kinds ``"input"`` and ``"weight"`` for the
-    two halves of the backward when ``weight_s > 0``); :meth:`clear` empties it.
+    two halves of the backward when split); :meth:`clear` empties it.
+    :meth:`set_times` changes the three times between steps (to zero for a step
+    of empty passes, say); the graph's shape, split or not, stays.
     """
 
-    def __init__(self, forward_s: float = 0.0, backward_s: float = 0.0, weight_s: float = 0.0):
+    def __init__(
+        self,
+        forward_s: float = 0.0,
+        backward_s: float = 0.0,
+        weight_s: float = 0.0,
+        split: bool | None = None,
+    ):
         super().__init__()
-        self.forward_s = _checks.non_negative("forward_s", forward_s)
-        self.backward_s = _checks.non_negative("backward_s", backward_s)
-        self.weight_s = _checks.non_negative("weight_s", weight_s)
-        if self.weight_s > self.backward_s:
+        self.split = bool(weight_s) if split is None else _checks.boolean("split", split)
+        self.set_times(forward_s, backward_s, weight_s)
+        if self.split:
+            self.clock = nn.Parameter(torch.zeros(()))
+        self.events: list[tuple[str, float, float]] = []
+
+    def set_times(self, forward_s: float, backward_s: float, weight_s: float = 0.0) -> None:
+        """Take ``forward_s`` in forward and ``backward_s`` in backward, ``weight_s`` of
+        it in the weight pass (only if the layer is split), all in seconds."""
+        forward_s = _checks.non_negative("forward_s", forward_s)
+        backward_s = _checks.non_negative("backward_s", backward_s)
+        weight_s = _checks.non_negative("weight_s", weight_s)
+        if weight_s > backward_s:
             raise ValueError(
                 f"weight_s must be at most backward_s ({backward_s:g}), got {weight_s}"
             )
-        if self.weight_s:
-            self.clock = nn.Parameter(torch.zeros(()))
-        self.events: list[tuple[str, float, float]] = []
+        if weight_s and not self.split:
+            raise ValueError(f"weight_s must be 0 for a layer that is not split, got {weight_s}")
+        self.forward_s, self.backward_s, self.weight_s = forward_s, backward_s, weight_s
 
     def _run(self, kind: str, seconds: float) -> None:
         start = time.perf_counter()
@@ -204,14 +221,14 @@ class SimulatedCompute(nn.Module):
         self.events.clear()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.weight_s:
+        if not self.split:
             return _Sleep.apply(x, self)
         # the weight's branch first, so that a full backward runs the input half first
         weight_branch = 0 * _WeightSleep.apply(self.clock.to(x.dtype), self)
         return _Sleep.apply(x, self) + weight_branch
 
     def extra_repr(self) -> str:
-        weight = f", weight_s={self.weight_s:g}" if self.weight_s else ""
+        weight = f", weight_s={self.weight_s:g}" if self.split else ""
         return f"forward_s={self.forward_s:g}, backward_s={self.backward_s:g}{weight}"
 
 
@@ -288,106 +305,175 @@ def zero_bubble_worker(
     world_size: int,
     schedules: Sequence[str] = ("1f1b", "zb-h1", "zb-v", "dualpipev"),
     micro_batches: int = 8,
-    forward_s: float = 0.01,
-    backward_s: float = 0.02,
-    weight_s: float = 0.01,
+    forward_s: float = 0.04,
+    backward_s: float = 0.08,
+    weight_s: float = 0.04,
     repeats: int = 2,
     seed: int = 0,
 ) -> list[dict]:
-    """Time ``repeats`` steps of each schedule on rank ``rank``, in float64.
+    """Time ``repeats`` steps of each schedule on rank ``rank``, in float64, with
+    their passes and with empty ones.
 
     The model is :func:`reference_model` in float64, cut as :func:`pieces_of_rank`
     says; each piece of a V schedule takes half a stage's times. The zero-bubble
     schedules split each backward into an input pass (``backward_s - weight_s``)
-    and a weight pass (``weight_s``); 1F1B runs whole backwards. A schedule that
-    PyTorch refuses to build is reported, not run: its dict holds ``error``, the
-    exception in one line. Otherwise, as :func:`worker`: ``schedule``,
-    ``micro_batches``, ``chunks``, ``steps`` (per timed step, this rank's passes as
-    ``(kind, micro_batch, start, end, chunk)``), ``peak_saved_bytes`` and
-    ``left_saved_bytes`` (per timed step, the most bytes autograd held for backward
-    on this rank's pieces at one time, and what it still held at the end, measured
-    with a :class:`SavedTensorMeter`; the output gradients a weight pass waits for
-    are not saved tensors and are not counted), ``losses`` (on the rank that
-    computes the loss) and ``grads`` (named as in :func:`reference`).
+    and a weight pass (``weight_s``); 1F1B runs whole backwards. Every schedule is
+    built first and runs one untimed step of empty passes (it opens the
+    connections). Then come ``repeats`` rounds in which each schedule in turn runs
+    one step of *empty* passes (every simulated time zero: what the step costs
+    beyond its compute) and one step with its passes; taking turns, the schedules
+    meet the same load on the machine. A schedule that PyTorch refuses to build is
+    reported, not run: its dict holds ``error``, the exception in one line.
+    Otherwise, as :func:`worker`: ``schedule``, ``micro_batches``, ``chunks``,
+    ``steps`` and ``empty_steps`` (per timed step with passes, and per empty one,
+    this rank's passes as ``(kind, micro_batch, start, end, chunk)``), ``cpu_s``
+    (per empty step, the CPU seconds this rank's process used), ``peak_saved_bytes``
+    and ``left_saved_bytes`` (per timed step with passes, the most bytes autograd
+    held for backward on this rank's pieces at one time, and what it still held at
+    the end, measured with a :class:`SavedTensorMeter`; the output gradients a
+    weight pass waits for are not saved tensors and are not counted), ``losses`` (on
+    the rank that computes the loss) and ``grads`` (named as in :func:`reference`).
     """
-    from torch.distributed.pipelining import PipelineStage
-    from torch.distributed.pipelining import schedules as torch_schedules
-
     m = _checks.count("micro_batches", micro_batches, minimum=1)
     timed = _checks.count("repeats", repeats, minimum=1)
     dev = device()
     x, y = (t.to(dev, torch.float64) for t in batch(m, seed))
-    results = []
-    for name in schedules:
-        *held, pieces = pieces_of_rank(name, rank, world_size)
-        chunks = pieces // world_size
-        split = weight_s if name != "1f1b" else 0.0
-        model = reference_model(world_size, seed).to(torch.float64)
-        modules = [
-            piece_module(model, p, pieces, forward_s / chunks, backward_s / chunks, split / chunks)
-            .to(dev)
-            .to(torch.float64)
-            for p in held
-        ]
-        stages = [PipelineStage(mod, p, pieces, dev) for mod, p in zip(modules, held, strict=True)]
-        kind = getattr(torch_schedules, ZERO_BUBBLE_SCHEDULES[name])
-        try:
-            schedule = kind(
-                stages[0] if name == "1f1b" else stages,
-                n_microbatches=m,
-                loss_fn=nn.functional.mse_loss,
-            )
-        except (ValueError, NotImplementedError) as error:
-            results.append({"schedule": name, "micro_batches": m, "error": _one_line(error)})
-            continue
-        meter = SavedTensorMeter(exclude=[p for mod in modules for p in mod.parameters()])
-        steps, losses, peaks, left = [], [], [], []
-        for step in range(1 + timed):  # the first step is the warm-up
-            for mod in modules:
-                mod.zero_grad(set_to_none=True)
-                mod[-1].clear()
-            losses = []
-            inputs = (x,) if 0 in held else ()
-            last = {"target": y, "losses": losses} if pieces - 1 in held else {}
-            dist.barrier()
-            t0 = time.perf_counter()
-            meter.reset()
-            with meter:
-                schedule.step(*inputs, **last)
-            if step:
-                steps.append(_chunk_ops(modules, t0))
-                peaks.append(meter.peak)
-                left.append(meter.held)
-        grads = {}
-        for mod, p in zip(modules, held, strict=True):
-            size = len(model) // pieces
+    times = (forward_s, backward_s, weight_s)
+    runs = [_zero_bubble_run(name, rank, world_size, m, times, seed, dev) for name in schedules]
+    ready = [run for run in runs if "error" not in run]
+    for run in ready:  # the warm-up
+        _timed_step(run, x, y, empty=True)
+    for _ in range(timed):
+        for run in ready:
+            ops, cpu, _ = _timed_step(run, x, y, empty=True)
+            run["empty_steps"].append(ops)
+            run["cpu_s"].append(cpu)
+            ops, _, losses = _timed_step(run, x, y, empty=False)
+            run["steps"].append(ops)
+            run["peak_saved_bytes"].append(run["meter"].peak)
+            run["left_saved_bytes"].append(run["meter"].held)
+            run["losses"] = [value.detach().item() for value in losses]
+    for run in ready:
+        size = BLOCKS_PER_STAGE * world_size // run["pieces"]
+        run["grads"] = {}
+        for mod, p in zip(run["modules"], run["held"], strict=True):
             for n, param in mod.named_parameters():
                 index, rest = n.split(".", 1)
                 if int(index) < size:  # the blocks, not the simulated compute's clock
-                    grads[f"{size * p + int(index)}.{rest}"] = param.grad.detach().cpu()
-        results.append(
-            {
-                "schedule": name,
-                "micro_batches": m,
-                "chunks": chunks,
-                "seed": seed,
-                "steps": steps,
-                "peak_saved_bytes": peaks,
-                "left_saved_bytes": left,
-                "losses": [value.detach().item() for value in losses],
-                "grads": grads,
-            }
-        )
+                    run["grads"][f"{size * p + int(index)}.{rest}"] = param.grad.detach().cpu()
     dist.barrier()
-    return results
+    private = ("modules", "held", "pieces", "runner", "meter", "times")
+    return [{k: v for k, v in run.items() if k not in private} for run in runs]
+
+
+def _zero_bubble_run(
+    name: str, rank: int, world_size: int, m: int, times: tuple, seed: int, dev: torch.device
+) -> dict:
+    """One schedule of :func:`zero_bubble_worker`, built: its pieces, stages and schedule."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    forward_s, backward_s, weight_s = times
+    *held, pieces = pieces_of_rank(name, rank, world_size)
+    chunks = pieces // world_size
+    split = weight_s if name != "1f1b" else 0.0
+    per_piece = (forward_s / chunks, backward_s / chunks, split / chunks)
+    model = reference_model(world_size, seed).to(torch.float64)
+    modules = [piece_module(model, p, pieces, *per_piece).to(dev).to(torch.float64) for p in held]
+    stages = [PipelineStage(mod, p, pieces, dev) for mod, p in zip(modules, held, strict=True)]
+    kind = getattr(torch_schedules, ZERO_BUBBLE_SCHEDULES[name])
+    try:
+        schedule = kind(
+            stages[0] if name == "1f1b" else stages,
+            n_microbatches=m,
+            loss_fn=nn.functional.mse_loss,
+        )
+    except (ValueError, NotImplementedError) as error:
+        return {"schedule": name, "micro_batches": m, "error": _one_line(error)}
+    meter = SavedTensorMeter(exclude=[p for mod in modules for p in mod.parameters()])
+    return {
+        "schedule": name,
+        "micro_batches": m,
+        "chunks": chunks,
+        "seed": seed,
+        "steps": [],
+        "empty_steps": [],
+        "cpu_s": [],
+        "peak_saved_bytes": [],
+        "left_saved_bytes": [],
+        "losses": [],
+        "modules": modules,
+        "held": held,
+        "pieces": pieces,
+        "runner": schedule,
+        "meter": meter,
+        "times": per_piece,
+    }
+
+
+def _timed_step(
+    run: dict, x: torch.Tensor, y: torch.Tensor, empty: bool
+) -> tuple[list[tuple], float, list[torch.Tensor]]:
+    """One step of ``run``'s schedule after a barrier: this rank's passes (times from
+    the step's start), the CPU seconds its process used, and the losses it computed."""
+    modules, held, pieces = run["modules"], run["held"], run["pieces"]
+    for mod in modules:
+        mod.zero_grad(set_to_none=True)
+        mod[-1].clear()
+        mod[-1].set_times(*((0.0, 0.0, 0.0) if empty else run["times"]))
+    losses: list[torch.Tensor] = []
+    inputs = (x,) if 0 in held else ()
+    last = {"target": y, "losses": losses} if pieces - 1 in held else {}
+    dist.barrier()
+    t0, cpu = time.perf_counter(), time.process_time()
+    run["meter"].reset()
+    with run["meter"]:
+        run["runner"].step(*inputs, **last)
+    return _chunk_ops(modules, t0), time.process_time() - cpu, losses
+
+
+def hop_latency(rank: int, world_size: int, hops: int = 100) -> float | None:
+    """Seconds one micro-batch's activation (float64, as in :func:`zero_bubble_worker`)
+    takes from rank 0 to rank 1, one way: half the mean round trip of ``hops`` round
+    trips, each way a ``batch_isend_irecv`` as the schedules post theirs, after 10
+    untimed ones. Ranks 0 and 1 return it; the others wait and return ``None``."""
+    n = _checks.count("hops", hops, minimum=1)
+    if world_size < 2:
+        raise ValueError(f"world_size must be at least 2 to time a hop, got {world_size}")
+    buffer = torch.zeros(EXAMPLES_PER_MICRO_BATCH, WIDTH, dtype=torch.float64, device=device())
+    dist.barrier()
+    elapsed = None
+    if rank < 2:
+        peer = 1 - rank
+        send = [dist.P2POp(dist.isend, buffer, peer)]
+        receive = [dist.P2POp(dist.irecv, buffer, peer)]
+        order = (send, receive) if rank == 0 else (receive, send)
+        for trip in range(10 + n):
+            if trip == 10:
+                start = time.perf_counter()
+            for ops in order:
+                for work in dist.batch_isend_irecv(ops):
+                    work.wait()
+        elapsed = (time.perf_counter() - start) / (2 * n)
+    dist.barrier()
+    return elapsed
 
 
 def chapter_worker(
-    rank: int, world_size: int, runs: Sequence = (), zero_bubble_runs: Sequence = ()
-) -> tuple[list[dict], list[dict]]:
+    rank: int,
+    world_size: int,
+    runs: Sequence = (),
+    zero_bubble_runs: Sequence = (),
+    hops: int = 100,
+) -> tuple[list[dict], list[dict], float | None]:
     """Chapter 07's real run, in one start of the ranks: :func:`worker` with the
-    arguments ``runs``, then :func:`zero_bubble_worker` with ``zero_bubble_runs``."""
-    return worker(rank, world_size, *runs), zero_bubble_worker(rank, world_size, *zero_bubble_runs)
+    arguments ``runs``, :func:`zero_bubble_worker` with ``zero_bubble_runs``, then
+    :func:`hop_latency` with ``hops``."""
+    return (
+        worker(rank, world_size, *runs),
+        zero_bubble_worker(rank, world_size, *zero_bubble_runs),
+        hop_latency(rank, world_size, hops),
+    )
 
 
 def _one_line(error: BaseException) -> str:
@@ -451,8 +537,9 @@ def worker(
 ) -> list[dict]:
     """Time ``repeats`` training steps per (schedule, micro-batch count) on stage ``rank``.
 
-    Each configuration runs a warm-up step first (it opens the connections
-    between neighbours), then the timed steps. Returns one dict per
+    Each configuration runs a warm-up step of empty passes first (it opens the
+    connections between neighbours; the simulated compute takes no time in it), then
+    the timed steps. Returns one dict per
     configuration: ``schedule``, ``micro_batches``, ``seed``, ``steps`` (for each timed
     step, this stage's passes as ``(kind, micro_batch, start, end)`` in seconds
     from a common start after a barrier), ``peak_saved_bytes`` and ``left_saved_bytes``
@@ -483,9 +570,10 @@ def worker(
                 stage, n_microbatches=micro_batches, loss_fn=nn.functional.mse_loss
             )
             steps, peaks, left = [], [], []
-            for step in range(1 + timed):  # the first step is the warm-up
+            for step in range(1 + timed):  # the first step, of empty passes, is the warm-up
                 module.zero_grad(set_to_none=True)
                 clock.clear()
+                clock.set_times(*((forward_s, backward_s) if step else (0.0, 0.0)))
                 losses: list[torch.Tensor] = []
                 inputs = (x,) if rank == 0 else ()  # the first stage reads the batch
                 last = {"target": y, "losses": losses} if rank == world_size - 1 else {}
@@ -532,22 +620,25 @@ def _numbered(events: list[tuple[str, float, float]], t0: float) -> list[tuple]:
     return ops
 
 
-def timelines(per_rank: Sequence[dict]) -> list[Timeline]:
+def timelines(per_rank: Sequence[dict], key: str = "steps") -> list[Timeline]:
     """The measured :class:`~trainscale.pipeline.Timeline` of each timed step of one
     configuration (of :func:`worker` or :func:`zero_bubble_worker`), from each rank's
-    result dict for it (in rank order)."""
+    result dict for it (in rank order); ``key="empty_steps"``: of each step of empty
+    passes (:func:`zero_bubble_worker`)."""
     if not per_rank:
         raise ValueError("per_rank must hold one result per rank, got none")
     first = per_rank[0]
+    if key not in first:
+        raise ValueError(f"key must be one of 'steps', 'empty_steps' in the results, got {key!r}")
     return [
         Timeline(
             first["schedule"],
             len(per_rank),
             first["micro_batches"],
-            tuple(tuple(Op(*op) for op in result["steps"][step]) for result in per_rank),
+            tuple(tuple(Op(*op) for op in result[key][step]) for result in per_rank),
             first.get("chunks", 1),  # model chunks per rank: 2 in a V schedule
         )
-        for step in range(len(first["steps"]))
+        for step in range(len(first[key]))
     ]
 
 

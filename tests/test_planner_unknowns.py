@@ -1,0 +1,159 @@
+"""planner.unknowns and the software-dependent terms: hand-worked numbers and edges."""
+
+import dataclasses
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from trainscale import planner as P
+from trainscale.parallel import layer_collectives
+from trainscale.planner.kernels import _layer_times, _roofline
+from trainscale.planner.memory import every_other_matmul_bytes, every_other_matmul_share
+from trainscale.planner.step import _tensor_halves
+from trainscale.planner.unknowns import band_value
+
+LLAMA_8B = P.LLAMA3["8B"]
+H100 = P.Cluster(nodes=1, **P.H100_NODE)
+
+
+def test_the_central_unknowns_are_the_middle_of_each_span():
+    assert P.Unknowns(3.0, 1.0, 0.5, "point", "point") == P.CENTRAL
+    assert P.ELEMENTWISE_TRAFFIC == {"low": 4.0, "point": 3.0, "high": 2.0}
+    assert P.OVERLAP == {"low": 0.0, "point": 0.5, "high": 1.0}
+    assert set(P.TILE_OVERHEAD.values()) == {0.0, 1.0}  # hidden, or fully waited for
+
+
+def test_range_corners_hold_each_end_and_every_pair_table_4_ties():
+    pessimistic, optimistic = P.range_corners()
+    assert len(pessimistic) == len(optimistic) == 6  # traffic 2, 3, 4 x tile overhead 0, 1
+    assert {(u.traffic, u.tile_overhead) for u in pessimistic} == {
+        (t, o) for t in (2.0, 3.0, 4.0) for o in (0.0, 1.0)
+    }
+    assert all(u.overlap == 0 and u.attention == u.peak == "low" for u in pessimistic)
+    assert all(u.overlap == 1 and u.attention == u.peak == "high" for u in optimistic)
+
+
+def test_band_value_by_hand():
+    assert band_value((0.35, 0.75), "low", 0.6) == 0.35
+    assert band_value((0.35, 0.75), "high", 0.6) == 0.75
+    assert band_value((0.25, 1.0), "point", 0.6) == pytest.approx(0.5)  # sqrt(0.25 x 1)
+    assert band_value(None, "low", 0.6) == 0.6  # nothing measured: the default
+    with pytest.raises(ValueError, match="band"):
+        band_value((0.35, 0.75), "middle", 0.6)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"traffic": 0.0}, "traffic"),
+        ({"tile_overhead": -1.0}, "tile_overhead"),
+        ({"overlap": 1.5}, "overlap"),
+        ({"attention": "best"}, "attention"),
+        ({"peak": "max"}, "peak"),
+    ],
+)
+def test_bad_unknowns_are_named(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        P.Unknowns(**kwargs)
+
+
+@given(st.sampled_from(list(P.range_corners()[0] + P.range_corners()[1])))
+def test_every_corner_brackets_the_central_estimate_of_a_layout(corner):
+    # A layout's MFU at any corner is a valid estimate; the range is its min and max.
+    layout = P.evaluate(P.EXAMPLE_MODEL, P.EXAMPLE_CLUSTER, 1024, 8, 4, 2, 1, "selective")
+    low, high = P.mfu_range(P.EXAMPLE_MODEL, P.EXAMPLE_CLUSTER, layout, margin=0.0)
+    pessimistic, _ = P.range_corners()
+    assert low <= layout.mfu <= high
+    if corner in pessimistic:
+        assert low > 0
+
+
+def test_megatrons_sequence_parallelism_gathers_again_in_backward():
+    # Chapter 06's count: TP alone 2 + 2 all-reduces (8 halves); Megatron's sequence
+    # parallelism 4 halves forward, 6 backward; DTensor's keeps the gathered input, 4 + 4.
+    assert _tensor_halves("") == {"forward": 4, "backward": 4}
+    assert _tensor_halves("re-gather") == {"forward": 4, "backward": 6}
+    assert _tensor_halves("keep gathered") == {"forward": 4, "backward": 4}
+    assert layer_collectives("re-gather")["backward"] == {"all-gather": 4, "reduce-scatter": 2}
+
+
+def test_dtensors_plan_keeps_more_activations_than_megatrons():
+    # Chapter 06: the gathered layer-norm outputs kept whole, 4 sbh (1 - 1/t) more.
+    # (megatron-core-te keeps dropout masks, torchtitan none: the model says none for both)
+    same = dataclasses.replace(P.EXAMPLE_MODEL, dropout=False)
+    args = (same, P.EXAMPLE_CLUSTER, 1024, 8, 4, 2, 1, "none")
+    megatron = P.evaluate(*args, software="megatron-core-te")
+    titan = P.evaluate(*args, software="torchtitan-fsdp2")
+    s, h, t, b, layers = 4096, 8192, 8, 1, 20
+    per_layer = 4 * s * b * h * (1 - 1 / t)
+    in_flight = 4  # 1F1B: the first of PP 4 stages holds 4 micro-batches
+    extra = titan.memory_parts["activations"] - megatron.memory_parts["activations"]
+    assert extra == pytest.approx(in_flight * layers * per_layer)
+
+
+def test_torchtitans_per_op_policy_by_hand():
+    # Llama 3 8B, one layer, TP 1: the products in order q (4,096), k (1,024), v (1,024),
+    # o (4,096), gate (14,336), up (14,336), down (4,096); saved: the 1st, 3rd, 5th, 7th
+    # outputs (4,096 + 1,024 + 14,336 + 4,096), the block's input (4,096), the attention
+    # output (4,096), all 16-bit, and 32 heads' fp32 statistic: per token
+    # 2 x 31,744 + 128 = 63,616 bytes.
+    assert every_other_matmul_bytes(LLAMA_8B, 8192, 2, 1, False) == 63_616 * 8192 * 2
+    # Recomputed: k, o and up, (4,096 x 1,024 + 4,096^2 + 4,096 x 14,336) of the
+    # 2 x 4,096^2 + 2 x 4,096 x 1,024 + 3 x 4,096 x 14,336 FLOPs per token: 0.3654.
+    hand = (1024 + 4096 + 14336) / (2 * 4096 + 2 * 1024 + 3 * 14336)
+    assert every_other_matmul_share(LLAMA_8B) == pytest.approx(hand)
+    assert hand == pytest.approx(0.3654, abs=1e-4)
+    # TP 8 with sequence parallelism splits the column-parallel outputs and the input; the
+    # row-parallel products' outputs (o, down) are whole partial sums on every rank.
+    split = every_other_matmul_bytes(LLAMA_8B, 8192, 1, 8, True)
+    per_token = 2 * (4096 / 8 + 4096 / 8 + 1024 / 8 + 14336 / 8 + 4096 + 4096 / 8) + 4 * 32 / 8
+    assert split == pytest.approx(per_token * 8192)
+
+
+def test_selective_recomputation_follows_the_softwares_policy():
+    fused = dataclasses.replace(LLAMA_8B, fused_attention=True)
+    layer, score, _ = _layer_times(fused, H100, 1, 1, False)
+
+    def recompute(policy: str) -> float:
+        stage = _roofline(fused, H100, 1, 1, 32, "selective", False, P.CENTRAL, 0, 1, 1, policy)
+        return stage[2]
+
+    assert recompute("scores") == 0.0  # a fused kernel stores no scores to rebuild
+    assert recompute("core attention") == pytest.approx(32 * score)  # Megatron-Core reruns it
+    op = recompute("every other matmul")
+    assert 32 * every_other_matmul_share(fused) * (layer - score) < op < 32 * layer
+
+
+def test_llama_3s_all_gather_context_parallelism_hides_nothing():
+    # The same bytes as the ring, all of them in the critical path (Llama 3, section 3.3.2).
+    args = (P.LONG_CONTEXT_MODEL, P.Cluster(nodes=2, **P.H100_NODE), 16, 8, 1, 1, 1, "none")
+    ring = P.evaluate(*args, context_parallel=2, software="torchtitan-fsdp2")
+    stack = P.SOFTWARE["torchtitan-fsdp2"].replace(context_parallel_style="all-gather")
+    gathered = P.evaluate(*args, context_parallel=2, software=stack)
+    assert gathered.times["context-parallel traffic"] > ring.times["context-parallel traffic"]
+    assert P.SOFTWARE["meta-llama3"].context_parallel_style == "all-gather"
+
+
+def test_tensor_parallel_traffic_shrinks_with_context_parallelism():
+    # A CP rank's TP collectives carry its s / c tokens (the sequence it holds).
+    args = (P.LONG_CONTEXT_MODEL, P.Cluster(nodes=2, **P.H100_NODE), 16, 8, 1)
+    one = P.evaluate(*args, 2, 1, "none", 1, efficiency=0.5, sequence_parallel=False)
+    two = P.evaluate(
+        *args, 1, 1, "none", 1, efficiency=0.5, sequence_parallel=False, context_parallel=2
+    )
+    per_micro = one.times["tensor-parallel traffic"] / one.accumulation
+    assert two.times["tensor-parallel traffic"] / two.accumulation == pytest.approx(per_micro / 2)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("sequence_parallel_style", "scatter"),
+        ("selective_recompute", "half"),
+        ("context_parallel_style", "tree"),
+    ],
+)
+def test_bad_software_styles_are_named(field, value):
+    with pytest.raises(ValueError, match=field):
+        P.SOFTWARE["planner-default"].replace(**{field: value})
