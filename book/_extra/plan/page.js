@@ -356,7 +356,7 @@ function copyable(text) {
 }
 
 function show(data) {
-  shown = data;
+  shown = window.planShown = data;
   output.classList.toggle("plan-stale", Boolean(data.error && !data.request));
   if (data.error && !data.request) {
     if (!fault(data.error, data.flag)) {
