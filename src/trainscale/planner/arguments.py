@@ -215,6 +215,19 @@ def parser() -> argparse.ArgumentParser:
         help="why this layout ranks where it does, or why it is rejected, with the term"
         " that limits it (CP, EP default 1; V: every depth)",
     )
+    add(
+        "--max-tp",
+        type=float,
+        default=None,
+        metavar="N",
+        help="try only layouts with at most N tensor-parallel GPUs (default: any)",
+    )
+    add(
+        "--zero-stages",
+        default=None,
+        metavar="Z[,Z...]",
+        help="the ZeRO stages to try, e.g. 1,3 (default: every stage the software offers)",
+    )
     add("--top", type=int, default=5, metavar="K", help="list K layouts (default: 5)")
     add(
         "--laptop",
@@ -224,6 +237,11 @@ def parser() -> argparse.ArgumentParser:
         help="also print the best layout scaled down to a tiny model on N CPU processes",
     )
     add("--list-models", action="store_true", help="list the presets and stop")
+    add(
+        "--json",
+        action="store_true",
+        help="print the plan (or the presets, with --list-models) as JSON",
+    )
     return p
 
 
@@ -247,6 +265,10 @@ class Request:
     """``--explain``'s value, checked by :func:`trainscale.planner.explain.explain_spec`."""
     context_parallel: tuple[int, ...] | None = None
     """The CP degrees searched (``None``: :func:`trainscale.planner.context_parallel_degrees`)."""
+    max_tp: int | None = None
+    """``--max-tp``: layouts with more tensor-parallel GPUs are not tried (``None``: any)."""
+    zero_stages: tuple[int, ...] | None = None
+    """``--zero-stages``: the ZeRO stages tried (``None``: every stage the software offers)."""
 
 
 SOFTWARE_FLAGS = ("fused_attention", "dropout", "gradient_reduce_dtype", "linear_dtype")
@@ -368,6 +390,21 @@ def _depths(text: str | None) -> tuple[int, ...]:
     return _degrees("--virtual-stages", text) or planner.INTERLEAVING
 
 
+def _zero_stages(text: str | None) -> tuple[int, ...] | None:
+    """``--zero-stages``: ZeRO stages 0-3 separated by commas (``None``: the software's)."""
+    if text is None:
+        return None
+    try:
+        values = [float(part) for part in text.split(",")]
+    except ValueError:
+        raise ValueError(
+            f"--zero-stages must be ZeRO stages 0-3 separated by commas, got {text!r}"
+        ) from None
+    return tuple(
+        dict.fromkeys(int(_checks.choice("--zero-stages", v, (0, 1, 2, 3))) for v in values)
+    )
+
+
 SPEC_FIELDS = ("TP", "PP", "DP", "CP", "EP", "V")
 """The degrees ``--explain`` takes, in order (CP, EP and V optional: 1, 1, every depth)."""
 
@@ -422,6 +459,8 @@ def parse(argv: Sequence[str] | None = None) -> Request | None:
     laptop = None if args.laptop is None else _checks.count("--laptop", args.laptop, minimum=1)
     stack = _software(args, preset)
     depths = _depths(args.virtual_stages)
+    max_tp = None if args.max_tp is None else _checks.count("--max-tp", args.max_tp, minimum=1)
+    zero_stages = _zero_stages(args.zero_stages)
     if args.explain is not None:
         explain_spec(args.explain, cluster.gpus)  # refused here, naming --explain
     run = preset.run if preset else None
@@ -433,4 +472,7 @@ def parse(argv: Sequence[str] | None = None) -> Request | None:
     ):
         run = None  # a flag changed the run: the published figures no longer apply
     cps = _degrees("--context-parallel", args.context_parallel)
-    return Request(model, cluster, gpu, batch, top, laptop, run, stack, depths, args.explain, cps)
+    return Request(
+        *(model, cluster, gpu, batch, top, laptop, run, stack, depths, args.explain, cps),
+        *(max_tp, zero_stages),
+    )

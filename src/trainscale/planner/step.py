@@ -73,10 +73,10 @@ import functools
 
 from trainscale import _checks
 from trainscale.checkpointing import selective_recompute_flops
+from trainscale.collectives import layer_collectives
 from trainscale.compute import FLOPS_PER_PARAM_PER_TOKEN, mfu
 from trainscale.context import gradient_reduce_ranks
 from trainscale.memory import BYTES_PER_PARAM, GIB, OPTIMIZER_STATE, USABLE_MEMORY
-from trainscale.parallel import layer_collectives
 from trainscale.pipeline import bubble as _bubble
 from trainscale.pipeline import bubble_zb_h1
 from trainscale.planner.inputs import (
