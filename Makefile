@@ -58,7 +58,10 @@ $(STAMP): requirements.txt pyproject.toml
 ## make book: build the website and serve it on http://127.0.0.1:8000 (Ctrl-C stops it)
 book: site serve
 
+# The "Plan your run" page's Pyodide (fetched from the npm registry once) and the planner's
+# own .py files (packed from this tree every time): tools/plan_page.py.
 site: $(STAMP)
+	$(BIN)/python tools/plan_page.py
 	$(BIN)/jupyter-book build . --keep-going
 
 serve:
@@ -111,6 +114,7 @@ nbval-alone: $(STAMP)
 # The website from a clean _build, with every Sphinx warning an error.
 site-check: $(STAMP)
 	rm -rf _build
+	$(BIN)/python tools/plan_page.py
 	$(BIN)/jupyter-book build . -n -W --keep-going
 
 # The built site (and JupyterLab) in headless Chromium, as a reader would use them.

@@ -435,6 +435,8 @@ def test_nodes_come_from_the_gpu_table():
         "max_matmul_share": 794.5 / 989,  # the fastest bf16 GEMM measured on it
         "peak_flops_low": None,  # not power-limited below its datasheet
         "attention_share": (0.35, 0.75),  # FlashAttention-2 to -3 (arXiv 2407.08608)
+        "fp8_peak_flops": 1979e12,  # dense FP8
+        "fp8_max_matmul_share": 1541 / 1979,  # the fastest FP8 GEMM measured (tile-lang)
     }
     assert P.A100_NODE["peak_flops"] == 312e12 and P.A100_NODE["inter_node_bandwidth"] == 25e9
     assert P.A100_NODE["memory_bytes"] == 80 * 2**30  # 81,920 MiB: exactly 80 GiB

@@ -1,6 +1,7 @@
 """``python -m trainscale.planner``: presets, explicit sizes, bad flags, and commands that run."""
 
 import dataclasses
+import json
 import shlex
 import subprocess
 import sys
@@ -439,3 +440,77 @@ def test_a_bad_explain_names_the_flag(spec, message):
     with pytest.raises(ValueError) as error:
         planner_cli.parse(["--model", "70b", "--explain", spec])
     assert message in str(error.value)
+
+
+# --------------------------------------------------------------------------- --json
+
+SMALL = ["--model", "gpt-22b-on-8-a100s-selective-recompute"]  # 480 layouts: fast
+
+
+def test_json_is_the_text_report_as_data(capsys):
+    assert planner_cli.main([*SMALL, "--json"]) == 0
+    printed = capsys.readouterr().out
+    data = json.loads(printed)  # strict JSON: no NaN anywhere (main passes allow_nan=False)
+    request = planner_cli.parse(SMALL)
+    assert (data["text"], data["fits"]) == (planner_cli.report(request)[0], True)
+    best = planner.top_layouts(
+        planner.plan(
+            request.model,
+            request.cluster,
+            request.global_batch,
+            software=request.software,
+            virtual_stages=request.virtual_stages,
+        ),
+        count=request.top,
+    )
+    assert [lay["name"] for lay in data["best"]] == [
+        lay.name.replace("\u00d7", "x") for lay in best
+    ]
+    first, layout = data["best"][0], best[0]
+    assert first["mfu"] == layout.mfu
+    assert first["mfu_range"] == list(
+        planner.mfu_range(request.model, request.cluster, layout, software=request.software)
+    )
+    # The parts add up to the totals, as Layout's do.
+    assert sum(first["memory_parts"].values()) == pytest.approx(first["memory_bytes"])
+    assert sum(first["times"].values()) == pytest.approx(first["step_seconds"])
+    assert list(first["times"]) == list(planner.TIME_PARTS)
+    assert sum(data["verdicts"].values()) == data["layouts_tried"]
+    assert all(lay["verdict"] != "fits" and lay["problems"] for lay in data["rejected"])
+    reasons = [lay["verdict"] for lay in data["rejected"]]  # one layout per reason
+    assert sorted(reasons) == sorted(v for v, n in data["verdicts"].items() if n and v != "fits")
+    assert data["command"]["checked"] and data["command"]["text"] in "\n".join(data["text"])
+    assert data["request"]["cluster"]["memory_bytes"] == request.cluster.memory_bytes
+
+
+def test_json_bad_input_names_the_flag_with_the_command_line_s_message(capsys):
+    assert planner_cli.main(["--model", "70b", "--nodes", "0"]) == 2
+    message = capsys.readouterr().err.strip().removeprefix("python -m trainscale.planner: error: ")
+    assert planner_cli.plan_json(["--model", "70b", "--nodes", "0"]) == {
+        "error": message,
+        "flag": "--nodes",
+    }
+    words = planner_cli.plan_json(["--model", "70b", "--nodes", "two"])  # argparse's own
+    assert words == {"error": "argument --nodes: invalid float value: 'two'", "flag": "--nodes"}
+    missing = planner_cli.plan_json(["--layers", "2"])
+    assert missing["flag"] == "--hidden" and missing["error"].startswith("without --model")
+    assert planner_cli.plan_json(["--model", "70b", "--zero-stages", "1,5"])["flag"] == (
+        "--zero-stages"
+    )
+
+
+def test_max_tp_and_zero_stages_narrow_the_search():
+    argv = ["--model", "llama-3-8b", "--max-tp", "2", "--zero-stages", "1,3"]
+    data = planner_cli.plan_json(argv)
+    assert data["request"]["max_tp"] == 2 and data["request"]["zero_stages"] == [1, 3]
+    shown = data["best"] + data["rejected"]
+    assert shown and all(lay["tp"] <= 2 and lay["zero_stage"] in (1, 3) for lay in shown)
+    assert planner_cli.parse(["--model", "70b"]).zero_stages is None  # default: the software's
+
+
+def test_list_models_as_json_names_every_preset_gpu_and_stack():
+    data = planner_cli.plan_json(["--list-models", "--json"])
+    assert list(data["models"]) == list(planner_cli.presets())
+    assert data["models"]["70b"]["model"]["layers"] == planner.EXAMPLE_MODEL.layers
+    assert data["default_gpu"] in data["gpus"]
+    assert "meta-llama3" in data["software"]

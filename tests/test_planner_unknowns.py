@@ -157,3 +157,30 @@ def test_tensor_parallel_traffic_shrinks_with_context_parallelism():
 def test_bad_software_styles_are_named(field, value):
     with pytest.raises(ValueError, match=field):
         P.SOFTWARE["planner-default"].replace(**{field: value})
+
+
+def test_fp8_linears_run_at_the_measured_fp8_gemms_share_of_the_fp8_peak():
+    # H100: 1,979 TFLOP/s dense FP8; its fastest FP8 GEMM 1,541 of them (tile-lang, H800);
+    # the A100-read share moved there as the bf16 one is: share x 0.779 / 0.869.
+    from trainscale.planner.kernels import _linear_rate
+
+    h100 = P.Cluster(nodes=1, **P.H100_NODE)
+    peak, share = _linear_rate(h100, P.CENTRAL, "fp8")
+    assert peak == 1979e12
+    assert share == pytest.approx(P.GEMM_SHARE * (1541 / 1979) / (271.2 / 312))
+    assert _linear_rate(h100, P.CENTRAL, "bf16") is None
+    # the linear layers run faster; attention and the output layer do not change
+    stack = P.SOFTWARE["megatron-core-te"]
+    args = (P.EXAMPLE_MODEL, P.EXAMPLE_CLUSTER, 1024, 8, 4, 2, 1, "none")
+    bf16 = P.evaluate(*args, software=stack)
+    fp8 = P.evaluate(*args, software=stack.replace(linear_dtype="fp8"))
+    assert fp8.mfu > bf16.mfu
+    assert fp8.times["compute"] > bf16.times["compute"] / 2  # not all of it is FP8 GEMMs
+    # an A100 has no FP8 tensor cores: the layout is invalid, and says why
+    a100 = P.Cluster(nodes=8, **P.A100_NODE)
+    no = P.evaluate(
+        P.EXAMPLE_MODEL, a100, 1024, 8, 4, 2, software=stack.replace(linear_dtype="fp8")
+    )
+    assert no.verdict == "invalid" and "FP8" in " ".join(no.notes)
+    with pytest.raises(ValueError, match="linear_dtype"):
+        stack.replace(linear_dtype="fp4")

@@ -11,7 +11,8 @@ for a 2-core machine: each notebook <= 45 s (warned from 40 s) and their median
 
     python tools/bench.py                    # everything
     python tools/bench.py phases planner     # some parts: phases, notebooks, check,
-                                             # planner
+                                             # planner, page (the built site's planner
+                                             # page in Chromium: make site first)
 """
 
 from __future__ import annotations
@@ -159,8 +160,76 @@ def planner() -> list[tuple[str, float]]:
     return rows
 
 
+def _served(site: Path) -> tuple[str, Callable[[], None]]:
+    """``site`` served on 127.0.0.1 (a port the OS picks), and how to stop it."""
+    import functools
+    import http.server
+    import threading
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args) -> None:
+            pass
+
+    handler = functools.partial(Quiet, directory=str(site))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{server.server_address[1]}", server.shutdown
+
+
+def page() -> list[tuple[str, float]]:
+    """The "Plan your run" page of the built site (``make site`` first) in headless Chromium:
+    from opening it (a reader's click on its link) to the first plan on the screen, Pyodide's
+    start within that, and a second plan (Plan pressed with other inputs). Also prints the
+    page's weight: every file it loads, raw and gzipped."""
+    import gzip
+
+    from playwright.sync_api import sync_playwright
+
+    sys.path.insert(0, str(ROOT / "tests" / "browser"))
+    from conftest import CHROMIUM_ARGS, chromium_path
+
+    site = ROOT / "_build" / "html"
+    if not (site / "book" / "plan_your_run.html").exists():
+        raise SystemExit(f"{site} has no plan_your_run.html: build the site first (make site)")
+    base, stop = _served(site)
+    done = "() => ['done', 'error'].includes(document.getElementById('plan-app').dataset.state)"
+    loaded: list[str] = []
+    try:
+        with sync_playwright() as playwright:
+            chromium = playwright.chromium
+            browser = chromium.launch(executable_path=chromium_path(), args=CHROMIUM_ARGS)
+            tab = browser.new_page()
+            tab.on("requestfinished", lambda r: loaded.append(r.url))
+            started = time.perf_counter()
+            tab.goto(f"{base}/book/plan_your_run.html")
+            tab.wait_for_function(done, timeout=600_000)
+            first = time.perf_counter() - started
+            start = tab.evaluate("window.planTimings.loaded")
+            tab.fill("#plan__nodes", "16")
+            started = time.perf_counter()
+            tab.click("#plan-go")
+            tab.wait_for_function(done, timeout=600_000)
+            second = time.perf_counter() - started
+            browser.close()
+    finally:
+        stop()
+    files = [site / url.removeprefix(base + "/").split("?")[0] for url in dict.fromkeys(loaded)]
+    raw = sum(f.stat().st_size for f in files if f.is_file())
+    packed = sum(len(gzip.compress(f.read_bytes(), 6)) for f in files if f.is_file())
+    print(
+        f"plan page weight: {len(files)} files, {raw / 2**20:.1f} MiB raw,"
+        f" {packed / 2**20:.1f} MiB gzipped"
+    )
+    return [
+        ("plan page: opened to first plan (70B example)", first),
+        ("plan page: Pyodide and the planner started", start),
+        ("plan page: Plan pressed to plan (16 nodes)", second),
+    ]
+
+
 PARTS: dict[str, Callable[[], list[tuple[str, float]]]] = {
     "planner": planner,
+    "page": page,
     "check": check,
     "notebooks": notebooks,
     "phases": phases,

@@ -3,6 +3,8 @@
 # require.js, the Jupyter widgets HTML manager (renders the sliders without a kernel)
 # and MathJax 3. The files are committed under book/_extra/_static/vendor/, so
 # `make book` works on a machine without npm; run this only to change a version.
+# (The "Plan your run" page's Pyodide is not committed: tools/plan_page.py, run by every
+# site build, fetches it from the npm registry once and records its version there.)
 set -euo pipefail
 REQUIREJS=2.3.8
 HTML_MANAGER=1.0.13   # @jupyter-widgets/html-manager for ipywidgets 8

@@ -9,7 +9,8 @@ Four parts:
 - :func:`step_flops`, the matrix-product FLOPs of forward and backward with
   and without checkpointing, counted by ``FlopCounterMode``, and
   :func:`step_operator_calls`, the operators the same step calls;
-- :class:`TransformerLayer`, the book's transformer block as chapter 09 measures it, with
+- :class:`TransformerLayer` (kept in :mod:`trainscale.transformer`, read here), the book's
+  transformer block as chapter 09 measures it, with
   :func:`saved_by_op` to list what autograd keeps for it, set beside
   Korthikanti et al.'s estimate :func:`korthikanti_bytes` (arXiv 2205.05198);
 - Korthikanti et al.'s table of what a layer keeps (:data:`ACTIVATION_PARTS`),
@@ -24,15 +25,15 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-import torch
-from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import FlopCounterMode
-
-from trainscale import _checks, transformer
+from trainscale import _checks
 from trainscale.memory import run_checkpointed
+
+if TYPE_CHECKING:  # torch runs only where tensors do: the activation formulas need none
+    import torch
+    from torch import nn
+    from torch.utils._python_dispatch import TorchDispatchMode
 
 # --- a checkpointed stack of blocks, modelled -------------------------------------------
 
@@ -155,6 +156,8 @@ def best_segment(blocks: int, block_input: int, block_saved: int) -> int:
 
 
 def _check_step_model(model: object, segment: int | None) -> nn.Module:
+    from torch import nn
+
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be an nn.Module, got {type(model).__name__}")
     if segment is not None and not isinstance(model, nn.Sequential):
@@ -172,6 +175,8 @@ def _count_step(
 ) -> tuple[TorchDispatchMode, TorchDispatchMode]:
     """Run one forward and one backward of ``model`` on ``x``, each under a fresh
     ``counter()`` (a ``TorchDispatchMode``), and return the two counters."""
+    import torch
+
     params = [p for p in model.parameters() if p.requires_grad]
     with counter() as forward:
         out = model(x) if segment is None else run_checkpointed(model, x, segment)
@@ -192,21 +197,29 @@ def step_flops(model: nn.Module, x: torch.Tensor, segment: int | None = None) ->
     FLOPs are torch's ``FlopCounterMode``'s: matrix products only, 2 per
     multiply-add. Returns ``{"forward": ..., "backward": ...}``.
     """
+    from torch.utils.flop_counter import FlopCounterMode
+
     model = _check_step_model(model, segment)
     forward, backward = _count_step(model, x, segment, lambda: FlopCounterMode(display=False))
     return {"forward": forward.get_total_flops(), "backward": backward.get_total_flops()}
 
 
-class _OperatorCounter(TorchDispatchMode):
-    """Counts every ATen operator call that reaches the dispatcher's Python mode."""
+def _operator_counter() -> TorchDispatchMode:
+    """A ``TorchDispatchMode`` whose ``calls`` counts every ATen operator call that reaches
+    the dispatcher's Python mode (a class made here, so that importing this module needs
+    no torch)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
+    class OperatorCounter(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls = 0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls += 1
-        return func(*args, **(kwargs or {}))
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    return OperatorCounter()
 
 
 def step_operator_calls(
@@ -223,65 +236,28 @@ def step_operator_calls(
     more than on the FLOPs. Returns ``{"forward": ..., "backward": ...}``.
     """
     model = _check_step_model(model, segment)
-    forward, backward = _count_step(model, x, segment, _OperatorCounter)
+    forward, backward = _count_step(model, x, segment, _operator_counter)
     return {"forward": forward.calls, "backward": backward.calls}
 
 
 # --- one transformer layer --------------------------------------------------------------
 
 
-class TransformerLayer(transformer.Block):
-    """One block of :mod:`trainscale.transformer`, set up as Korthikanti et al. count it.
+def __getattr__(name: str) -> object:
+    """:class:`TransformerLayer`, from :mod:`trainscale.transformer` when first asked for:
+    a torch module, so that the formulas here import without torch."""
+    if name == "TransformerLayer":
+        from trainscale.transformer import TransformerLayer
 
-    A pre-LN layer, batch first, ``(batch, seq, hidden)``:
-    ``x + dropout(proj(attention(ln(x))))``, then ``+ dropout(mlp(ln(.)))`` with an
-    MLP of width ``4 * hidden`` and GELU. ``attention`` is ``"naive"`` (written out,
-    so autograd keeps the softmax output, the dropout mask and the dropped-out
-    probabilities) or ``"sdpa"`` (``F.scaled_dot_product_attention``, which may
-    pick a fused kernel that keeps no score table); ``recompute_attention=True``
-    checkpoints the naive attention core, Korthikanti et al.'s *selective*
-    recomputation; ``fused_dropout=True`` stores 1-byte dropout masks as GPU
-    kernels do. The causal mask is added to the scores, so it keeps nothing.
-    Weights are PyTorch's default initialisation drawn from ``seed``, without
-    touching the global random state. The dtype is the caller's:
-    ``layer.to(torch.bfloat16)``.
-    """
-
-    def __init__(
-        self,
-        hidden: int,
-        heads: int,
-        dropout: float = 0.1,
-        attention: str = "naive",
-        recompute_attention: bool = False,
-        fused_dropout: bool = False,
-        seed: int = 0,
-    ) -> None:
-        h = _checks.count("hidden", hidden, minimum=1)
-        if h % _checks.count("heads", heads, minimum=1):
-            raise ValueError(f"heads must divide hidden = {h}, got {heads!r}")
-        if _checks.boolean("recompute_attention", recompute_attention) and attention != "naive":
-            raise ValueError(f"recompute_attention needs attention='naive', got {attention!r}")
-        config = transformer.GPTConfig(
-            d_model=h,
-            heads=heads,
-            layers=1,
-            attention=attention,
-            dropout=dropout,
-            fused_dropout=_checks.boolean("fused_dropout", fused_dropout),
-            recompute="selective" if recompute_attention else "none",
-        )
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(_checks.count("seed", seed))
-            super().__init__(config)
+        return TransformerLayer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-RECOMPUTE = transformer.RECOMPUTE
-"""Activation recomputation modes (:data:`trainscale.transformer.RECOMPUTE`, whose
-model runs them): keep everything; recompute only the attention scores (Korthikanti
-et al.'s *selective* recomputation, which is also what FlashAttention does inside its
-kernel); keep only each layer's input and rerun its forward pass during backward
-(*full* recomputation)."""
+RECOMPUTE = ("none", "selective", "full")
+"""Activation recomputation modes (:mod:`trainscale.transformer`'s model runs them): keep
+everything; recompute only the attention scores (Korthikanti et al.'s *selective*
+recomputation, which is also what FlashAttention does inside its kernel); keep only each
+layer's input and rerun its forward pass during backward (*full* recomputation)."""
 
 
 class ActivationPart(NamedTuple):
@@ -559,6 +535,8 @@ def saved_by_op(output: torch.Tensor, exclude: set[int] | None = None) -> list[S
     checkpointed graph: reading a slot there runs the recomputation. The total equals
     :func:`trainscale.memory.saved_activation_bytes` for the same forward.
     """
+    import torch
+
     if not isinstance(output, torch.Tensor) or output.grad_fn is None:
         raise ValueError("output must be a tensor produced by a forward pass with autograd")
     skip = set(exclude or ())

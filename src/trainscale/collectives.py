@@ -22,15 +22,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from trainscale import _checks
 from trainscale.compute import FLOPS_PER_PARAM_PER_TOKEN, training_flops
 
+if TYPE_CHECKING:  # torch runs only where tensors do: the byte and time formulas need none
+    import torch
+
 
 def _check_ranks(tensors: Sequence[torch.Tensor], name: str = "tensors") -> int:
     """Number of ranks; every rank must hold a 1-D tensor of the same length and dtype."""
+    import torch
+
     if len(tensors) < 1:
         raise ValueError(f"{name} must hold one tensor per rank (at least 1), got 0")
     first = tensors[0]
@@ -47,6 +51,8 @@ def _check_ranks(tensors: Sequence[torch.Tensor], name: str = "tensors") -> int:
 
 def chunks_of(tensor: torch.Tensor, ranks: int) -> list[torch.Tensor]:
     """Cut ``tensor`` into ``ranks`` contiguous chunks (copies, never views)."""
+    import torch
+
     return [c.clone() for c in torch.tensor_split(tensor, _checks.count("ranks", ranks, 1))]
 
 
@@ -182,6 +188,8 @@ def ring_all_gather(shards: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor],
     ``torch.cat(shards)`` as rank ``r`` assembled it, ``sent[r]`` the elements
     rank ``r`` sent in the ``N - 1`` steps.
     """
+    import torch
+
     if len(shards) < 1:
         raise ValueError("shards must hold one tensor per rank (at least 1), got 0")
     for rank, shard in enumerate(shards):
@@ -208,6 +216,8 @@ def ring_all_reduce(tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor]
     ``2 * (N - 1) * L / N`` for every rank: about twice the tensor, whatever ``N``.
     Integer tensors are summed exactly.
     """
+    import torch
+
     n = _check_ranks(tensors)
     held = [chunks_of(t, n) for t in tensors]
     sent_rs = _ring_phase(held, "reduce-scatter")
@@ -466,7 +476,7 @@ def tp_comm_to_compute(
     each all-reduce by a reduce-scatter and an all-gather, the same bytes, as long as
     backward keeps the gathered inputs (PyTorch's DTensor plan); Megatron-LM, which
     gathers them again in backward to reach ``34 sbh / t``, sends a quarter more
-    (:func:`trainscale.parallel.layer_collective_bytes`).
+    (:func:`layer_collective_bytes`).
     """
     t = _checks.count("shards", shards, minimum=1)
     h = _checks.count("hidden", hidden, minimum=1)
@@ -476,3 +486,58 @@ def tp_comm_to_compute(
     comm_seconds = TP_ALL_REDUCES_PER_LAYER * ring_factor(t) * h * size / link
     layer_flops = training_flops(TP_LAYER_WEIGHTS_PER_HIDDEN_SQUARED * h * h, 1)
     return comm_seconds / (layer_flops / t / rate)
+
+
+# --- one tensor-parallel layer's collectives, with and without sequence parallelism (ch 06) -
+
+SEQUENCE_PARALLEL_STYLES = ("none", "keep gathered", "re-gather")
+"""How a layer runs sequence parallelism (:func:`layer_collectives`): not at all
+(Megatron's tensor parallelism alone), keeping each all-gathered input whole for
+backward (PyTorch's DTensor plan: ``SequenceParallel`` + ``PrepareModuleInput``, as
+in torchtitan), or keeping only the ``s/t`` shard and all-gathering it again in
+backward (Megatron-LM, Korthikanti et al. section 4.2.2)."""
+
+
+def layer_collectives(style: str = "none") -> dict[str, dict[str, int]]:
+    """The collectives one tensor-parallel transformer layer runs per micro-batch, by pass.
+
+    Each is of one ``tokens x hidden`` activation (or its gradient). Tensor parallelism
+    alone: an all-reduce at the end of attention and of the MLP in forward, and one
+    for each block's input gradient in backward. With sequence parallelism each
+    all-reduce becomes its two halves: forward all-gathers the tokens where a block
+    starts and reduce-scatters them where it ends; backward all-gathers the output
+    gradient and reduce-scatters the input gradient. ``"re-gather"`` (Megatron-LM)
+    adds one all-gather per block in backward: the column-parallel product's input,
+    kept as the ``s/t`` shard, gathered again for its weight gradient. ``style`` is one
+    of :data:`SEQUENCE_PARALLEL_STYLES`.
+    """
+    kind = _checks.choice("style", style, SEQUENCE_PARALLEL_STYLES)
+    if kind == "none":
+        return {"forward": {"all-reduce": 2}, "backward": {"all-reduce": 2}}
+    again = 2 if kind == "re-gather" else 0
+    return {
+        "forward": {"all-gather": 2, "reduce-scatter": 2},
+        "backward": {"all-gather": 2 + again, "reduce-scatter": 2},
+    }
+
+
+def layer_collective_bytes(
+    tokens: int, hidden: int, shards: int, bytes_per_value: int = 2, style: str = "none"
+) -> float:
+    """Bytes one device sends per layer and micro-batch in :func:`layer_collectives`.
+
+    Each collective is of a ``tokens x hidden`` tensor of ``bytes_per_value`` bytes,
+    sent around a ring of ``shards`` devices: ``2(N-1)/N`` of it for an all-reduce,
+    ``(N-1)/N`` for each half (:func:`ring_factor`). Tensor
+    parallelism alone and the ``"keep gathered"`` plan send the same bytes, eight
+    half-collectives; ``"re-gather"`` sends ten, a quarter more.
+    """
+    t = _checks.count("tokens", tokens, minimum=1)
+    d = _checks.count("hidden", hidden, minimum=1)
+    n = _checks.count("shards", shards, minimum=1)
+    size = _checks.count("bytes_per_value", bytes_per_value, minimum=1)
+    return sum(
+        count * ring_factor(n, kind) * t * d * size
+        for counts in layer_collectives(style).values()
+        for kind, count in counts.items()
+    )

@@ -15,17 +15,31 @@ import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-
-import torch
-from torch import nn
-from torch.utils.checkpoint import checkpoint
+from typing import TYPE_CHECKING
 
 from trainscale import _checks
+
+if TYPE_CHECKING:  # torch runs only where tensors do: the model-state counts need none
+    import torch
+    from torch import nn
 
 GRADIENT_COPY = "gradient copy"
 """The optimiser's own copy of the gradients, kept only by some recipes
 (:data:`FP16_GRADIENTS_WITH_FP32_COPY`): optimiser state, sharded from ZeRO stage 1
 like :data:`OPTIMIZER_STATE`."""
+
+
+DTYPE_BYTES = {
+    "float64": 8,
+    "float32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+}
+"""Bytes per element of each floating-point dtype the model state may be kept in, by its
+torch name (``torch.finfo(dtype).bits // 8``, which a test checks for every name here):
+the state's sizes are counted without importing torch."""
 
 
 @dataclass(frozen=True)
@@ -38,24 +52,29 @@ class StateDtypes:
     ``optimizer_moments``: each of Adam's two moments; ``gradient_copy``: a second
     copy of the gradients, in the master weights' dtype, that the optimiser steps
     with (``None`` when it reads ``gradients`` directly). The defaults are the
-    book's 16 bytes per parameter.
+    book's 16 bytes per parameter. Each dtype is a name of :data:`DTYPE_BYTES`
+    (``"bfloat16"``) or the ``torch.dtype`` of that name (``torch.bfloat16``).
     """
 
-    weights: torch.dtype = torch.bfloat16
-    gradients: torch.dtype = torch.bfloat16
-    master_weights: torch.dtype | None = torch.float32
-    optimizer_moments: torch.dtype = torch.float32
-    gradient_copy: torch.dtype | None = None
+    weights: str | torch.dtype = "bfloat16"
+    gradients: str | torch.dtype = "bfloat16"
+    master_weights: str | torch.dtype | None = "float32"
+    optimizer_moments: str | torch.dtype = "float32"
+    gradient_copy: str | torch.dtype | None = None
 
 
 def _dtype_bytes(name: str, dtype: object, optional: bool) -> int:
-    """Bytes per element of a floating-point ``dtype`` (0 for ``None`` where allowed)."""
+    """Bytes per element of a floating-point ``dtype``, a name of :data:`DTYPE_BYTES` or
+    the ``torch.dtype`` of that name (0 for ``None`` where allowed)."""
     if dtype is None and optional:
         return 0
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        allowed = "a floating-point torch.dtype" + (" or None" if optional else "")
-        raise ValueError(f"{name} must be {allowed}, got {dtype!r}")
-    return torch.finfo(dtype).bits // 8
+    kind = type(dtype)
+    is_torch_dtype = (kind.__module__, kind.__name__) == ("torch", "dtype")
+    key = str(dtype).removeprefix("torch.") if is_torch_dtype else dtype
+    if not isinstance(key, str) or key not in DTYPE_BYTES:
+        allowed = f"one of {', '.join(DTYPE_BYTES)} (or its torch.dtype)"
+        raise ValueError(f"{name} must be {allowed}{' or None' * optional}, got {dtype!r}")
+    return DTYPE_BYTES[key]
 
 
 def state_bytes_per_param(dtypes: StateDtypes | None = None) -> dict[str, int]:
@@ -63,8 +82,8 @@ def state_bytes_per_param(dtypes: StateDtypes | None = None) -> dict[str, int]:
 
     Keys, in order: ``"weights"``, ``"gradients"``, ``"gradient copy"`` (only if
     kept), ``"master weights"`` (only if kept), ``"Adam momentum"`` and ``"Adam
-    variance"``. The sizes come from ``torch.finfo(dtype).bits``. With the defaults
-    (:class:`StateDtypes`): 2 + 2 + 4 + 4 + 4 = 16.
+    variance"``. The sizes come from :data:`DTYPE_BYTES` (``torch.finfo(dtype).bits //
+    8``). With the defaults (:class:`StateDtypes`): 2 + 2 + 4 + 4 + 4 = 16.
     """
     kept = StateDtypes() if dtypes is None else dtypes
     if not isinstance(kept, StateDtypes):
@@ -90,21 +109,21 @@ MIXED_16BIT_GRADIENTS = StateDtypes()
 """16 bytes per parameter: 16-bit weights and gradients, fp32 master weights and Adam
 moments. The count of the ZeRO paper (2 + 2 + 12, its ``K = 12``)."""
 
-FP32_MAIN_GRADIENTS = StateDtypes(gradients=torch.float32)
+FP32_MAIN_GRADIENTS = StateDtypes(gradients="float32")
 """18 bytes per parameter: bf16 weights, gradients accumulated and reduced in fp32 (4),
 fp32 master weights and moments. Megatron-Core with ``--bf16``, which turns on
 ``--accumulate-allreduce-grads-in-fp32`` (the "float16 param, fp32 grads" row of its
 distributed optimizer's table)."""
 
 FP16_GRADIENTS_WITH_FP32_COPY = StateDtypes(
-    weights=torch.float16, gradients=torch.float16, gradient_copy=torch.float32
+    weights="float16", gradients="float16", gradient_copy="float32"
 )
 """20 bytes per parameter: fp16 weights and gradients (2 + 2), and the optimiser's fp32
 copy of the gradients (4) next to the fp32 master weights and moments. Megatron-Core with
 ``--fp16`` (the "float16 param, float16 grads" row of the same table)."""
 
 FP32_WEIGHTS_AND_GRADIENTS = StateDtypes(
-    weights=torch.float32, gradients=torch.float32, master_weights=None
+    weights="float32", gradients="float32", master_weights=None
 )
 """16 bytes per parameter in another split: fp32 weights and gradients (4 + 4) and fp32
 moments, no separate master copy. What FSDP2 with ``MixedPrecisionPolicy(param_dtype=
@@ -204,6 +223,8 @@ def _uniform(shape: tuple[int, ...], bound: float) -> torch.Tensor:
     the fused multiply-add's: the numbers ``uniform_`` gives with fused
     kernels (AVX2, AVX-512), from the same random draws, on every CPU.
     """
+    import torch
+
     low = torch.tensor(-bound, dtype=torch.float32).double()
     span = -2.0 * low  # exact: 2 * fp32(bound)
     return (torch.rand(shape).double() * span + low).float()
@@ -212,6 +233,9 @@ def _uniform(shape: tuple[int, ...], bound: float) -> torch.Tensor:
 def _linear(fan_in: int, fan_out: int) -> nn.Linear:
     """``nn.Linear(fan_in, fan_out)`` with PyTorch's default initialisation, drawn
     in the same order (weight, then bias) but with :func:`_uniform`."""
+    import torch
+    from torch import nn
+
     layer = nn.utils.skip_init(nn.Linear, fan_in, fan_out)
     gain = nn.init.calculate_gain("leaky_relu", math.sqrt(5))  # kaiming_uniform_'s
     with torch.no_grad():
@@ -230,6 +254,9 @@ def mlp_stack(width: int = 256, blocks: int = 8, seed: int = 0) -> torch.nn.Sequ
     (see :func:`_uniform`). The weights come from ``seed`` without touching the
     global random state, so building a model never changes what a later cell draws.
     """
+    import torch
+    from torch import nn
+
     w = _checks.count("width", width, minimum=1)
     n_blocks = _checks.count("blocks", blocks, minimum=1)
     seed = _checks.count("seed", seed)
@@ -248,6 +275,9 @@ def run_checkpointed(model: nn.Sequential, x: torch.Tensor, segment: int = 1) ->
     The top-level blocks are grouped into segments of ``segment`` blocks; each
     segment keeps only its input and recomputes the rest during backward.
     """
+    from torch import nn
+    from torch.utils.checkpoint import checkpoint
+
     if not isinstance(model, nn.Sequential):
         raise ValueError(f"model must be an nn.Sequential of blocks, got {type(model).__name__}")
     size = _checks.count("segment", segment, minimum=1)
@@ -266,6 +296,7 @@ def _record_saved(exclude: set[int], seen: dict[int, int]) -> Iterator[None]:
     one layer is often the saved input of the next) is counted once, and views
     of a weight (``weight.t()`` saved by a matmul) are recognised as the weight.
     """
+    import torch
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()

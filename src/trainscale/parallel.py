@@ -16,7 +16,13 @@ import torch
 from torch import Tensor, nn
 
 from trainscale import _checks
-from trainscale.collectives import ring_bytes_per_rank, ring_factor
+
+# One layer's collectives live with the other collectives, which the planner imports without
+# torch; chapter 06 reads them here.
+from trainscale.collectives import SEQUENCE_PARALLEL_STYLES as SEQUENCE_PARALLEL_STYLES
+from trainscale.collectives import layer_collective_bytes as layer_collective_bytes
+from trainscale.collectives import layer_collectives as layer_collectives
+from trainscale.collectives import ring_bytes_per_rank
 from trainscale.memory import run_checkpointed
 from trainscale.transformer import attend
 
@@ -311,59 +317,6 @@ def tensor_parallel_traffic(
         for phase in ("forward", "backward")
         for block in ("attention", "MLP")
     }
-
-
-SEQUENCE_PARALLEL_STYLES = ("none", "keep gathered", "re-gather")
-"""How a layer runs sequence parallelism (:func:`layer_collectives`): not at all
-(Megatron's tensor parallelism alone), keeping each all-gathered input whole for
-backward (PyTorch's DTensor plan: ``SequenceParallel`` + ``PrepareModuleInput``, as
-in torchtitan), or keeping only the ``s/t`` shard and all-gathering it again in
-backward (Megatron-LM, Korthikanti et al. section 4.2.2)."""
-
-
-def layer_collectives(style: str = "none") -> dict[str, dict[str, int]]:
-    """The collectives one tensor-parallel transformer layer runs per micro-batch, by pass.
-
-    Each is of one ``tokens x hidden`` activation (or its gradient). Tensor parallelism
-    alone: an all-reduce at the end of attention and of the MLP in forward, and one
-    for each block's input gradient in backward. With sequence parallelism each
-    all-reduce becomes its two halves: forward all-gathers the tokens where a block
-    starts and reduce-scatters them where it ends; backward all-gathers the output
-    gradient and reduce-scatters the input gradient. ``"re-gather"`` (Megatron-LM)
-    adds one all-gather per block in backward: the column-parallel product's input,
-    kept as the ``s/t`` shard, gathered again for its weight gradient. ``style`` is one
-    of :data:`SEQUENCE_PARALLEL_STYLES`.
-    """
-    kind = _checks.choice("style", style, SEQUENCE_PARALLEL_STYLES)
-    if kind == "none":
-        return {"forward": {"all-reduce": 2}, "backward": {"all-reduce": 2}}
-    again = 2 if kind == "re-gather" else 0
-    return {
-        "forward": {"all-gather": 2, "reduce-scatter": 2},
-        "backward": {"all-gather": 2 + again, "reduce-scatter": 2},
-    }
-
-
-def layer_collective_bytes(
-    tokens: int, hidden: int, shards: int, bytes_per_value: int = 2, style: str = "none"
-) -> float:
-    """Bytes one device sends per layer and micro-batch in :func:`layer_collectives`.
-
-    Each collective is of a ``tokens x hidden`` tensor of ``bytes_per_value`` bytes,
-    sent around a ring of ``shards`` devices: ``2(N-1)/N`` of it for an all-reduce,
-    ``(N-1)/N`` for each half (:func:`trainscale.collectives.ring_factor`). Tensor
-    parallelism alone and the ``"keep gathered"`` plan send the same bytes, eight
-    half-collectives; ``"re-gather"`` sends ten, a quarter more.
-    """
-    t = _checks.count("tokens", tokens, minimum=1)
-    d = _checks.count("hidden", hidden, minimum=1)
-    n = _checks.count("shards", shards, minimum=1)
-    size = _checks.count("bytes_per_value", bytes_per_value, minimum=1)
-    return sum(
-        count * ring_factor(n, kind) * t * d * size
-        for counts in layer_collectives(style).values()
-        for kind, count in counts.items()
-    )
 
 
 def _check_attention(x, wq, wk, wv, wo, heads) -> int:

@@ -39,6 +39,10 @@ class Gpu:
     ``attention_share`` is the share of ``peak_flops`` a fused attention kernel sustains
     on it, from the slowest to the fastest published kernel (``None``: none measured).
 
+    ``fp8_peak_flops`` is its dense FP8 peak (``None``: no FP8 tensor cores) and
+    ``fp8_max_matmul_share`` the fastest FP8 GEMM measured on it, as a share of that
+    peak (``None``: not measured).
+
     ``peak_flops_low`` is the lowest peak its power limit may hold it to, where no
     datasheet gives its peak (``None``: the datasheet's ``peak_flops`` holds).
 
@@ -56,6 +60,8 @@ class Gpu:
     max_matmul_share: float | None = None
     peak_flops_low: float | None = None
     attention_share: tuple[float, float] | None = None
+    fp8_peak_flops: float | None = None
+    fp8_max_matmul_share: float | None = None
 
 
 FLASH_ATTENTION_A100 = (0.50, 0.73)
@@ -69,6 +75,13 @@ FLASH_ATTENTION_H100 = (0.35, 0.75)
 utilization)" in 16-bit (Shah et al. 2024, arXiv 2407.08608, abstract; bib key
 shah2024flashattention3). cuDNN's fused kernel lies between the two in that paper's
 figures."""
+
+FP8_MATMUL_H100 = 1541 / 1979
+"""The fastest FP8 GEMM measured on the H100's compute die, as a share of its dense FP8 peak:
+1,541 TFLOP/s for 8192 x 8192 x 16384 on an H800 SXM (the H100 SXM's SMs and clocks with
+less NVLink), tile-lang's FP8 matmul benchmark (tile-ai/tilelang
+benchmark/matmul_fp8/README.md at 6b1faf7; bib key tilelang_fp8_benchmark). One
+measurement of one kernel library: FP8 in the planner is less validated than bf16."""
 
 GPUS: dict[str, Gpu] = {
     # NVIDIA A100 Tensor Core GPU datasheet (SXM, 80 GB): 312 TFLOP/s dense BF16
@@ -100,6 +113,8 @@ GPUS: dict[str, Gpu] = {
         multiprocessors=132,  # 132 SMs (H100 SXM5)
         max_matmul_share=794.5 / 989,  # MAMF 794.5 TFLOP/s (torch 2.7, CUDA 12.6)
         attention_share=FLASH_ATTENTION_H100,
+        fp8_peak_flops=1979e12,  # datasheet: 3,958 TFLOP/s FP8 with sparsity
+        fp8_max_matmul_share=FP8_MATMUL_H100,
     ),
     # The H100 of Meta's Grand Teton hosts that torchtitan's December 2024 benchmark ran on
     # (pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md): an SXM H100 with 96 GB
@@ -133,6 +148,8 @@ GPUS: dict[str, Gpu] = {
         multiprocessors=132,  # 132 SMs, the H100's die
         max_matmul_share=794.5 / 989,  # the table's H100 row: "H200 is the same"
         attention_share=FLASH_ATTENTION_H100,  # the H100's die and clocks
+        fp8_peak_flops=1979e12,  # the H100's: 3,958 TFLOP/s FP8 with sparsity
+        fp8_max_matmul_share=FP8_MATMUL_H100,
     ),
     # NVIDIA HGX B200 datasheet: 2.25 PFLOP/s dense BF16 per GPU (4.5 with sparsity);
     # NVLink 5, 1.8 TB/s both directions together, so 900e9 B/s each way; 8 per HGX
@@ -147,6 +164,7 @@ GPUS: dict[str, Gpu] = {
         memory_bandwidth=8e12,  # HGX B200 datasheet: 64 TB/s for 8 GPUs (some list 7.7 TB/s)
         multiprocessors=148,  # 148 SMs (two dies of 74)
         max_matmul_share=1745.0 / 2250,  # MAMF 1,745.0 TFLOP/s (torch 2.7.1, CUDA 12.8)
+        fp8_peak_flops=4500e12,  # HGX B200 datasheet: 4.5 PFLOP/s dense FP8 (9 with sparsity)
     ),
     # NVIDIA Ada Lovelace architecture whitepaper (GeForce RTX 4090): 165.2 TFLOP/s
     # dense BF16 tensor with FP32 accumulate (330.4 with sparsity); no NVLink: a PCIe

@@ -44,6 +44,11 @@ whose backward rebuilds them anyway), the whole core-attention function whatever
 kernel (Megatron-Core's ``checkpoint_core_attention``), or every other matrix product and
 everything element-wise (torchtitan's per-op policy)."""
 
+LINEAR_DTYPES = ("bf16", "fp8")
+"""The dtypes a stack's linear layers multiply in: 16-bit, or FP8 (Transformer Engine's or
+torchao's float8 linears; attention and the output layer stay 16-bit). FP8 in the planner
+is less validated than bf16: one measured GEMM, no published run priced."""
+
 OVERLAP_FIELDS = ("overlap_grad_reduce", "overlap_param_gather", "overlap_tp_comm", "fsdp_prefetch")
 """The fields that say what a stack overlaps with compute (``None``: not documented)."""
 
@@ -60,6 +65,7 @@ FIELDS = (
     "sequence_parallel_style",
     "selective_recompute",
     "context_parallel_style",
+    "linear_dtype",
     *OVERLAP_FIELDS,
 )
 """Every field of :class:`Software` that describes the stack (all but ``name``, ``title``
@@ -93,6 +99,7 @@ class Software:
     * ``sequence_parallel_style``: one of :data:`SEQUENCE_PARALLEL_STYLES`;
       ``selective_recompute``: one of :data:`SELECTIVE_RECOMPUTE`;
       ``context_parallel_style``: one of :data:`CONTEXT_PARALLEL_STYLES`;
+      ``linear_dtype``: one of :data:`LINEAR_DTYPES`;
     * what hides under compute: ``overlap_grad_reduce`` (the data-parallel gradient
       reduction under the backward), ``overlap_param_gather`` (ZeRO's weight all-gather
       under the forward), ``overlap_tp_comm`` (the backward's tensor-parallel
@@ -116,6 +123,7 @@ class Software:
     sequence_parallel_style: str = "re-gather"
     selective_recompute: str = "scores"
     context_parallel_style: str = "ring"
+    linear_dtype: str = "bf16"
     overlap_grad_reduce: bool | None = None
     overlap_param_gather: bool | None = None
     overlap_tp_comm: bool | None = None
@@ -147,6 +155,7 @@ class Software:
         _checks.choice(
             "context_parallel_style", self.context_parallel_style, CONTEXT_PARALLEL_STYLES
         )
+        _checks.choice("linear_dtype", self.linear_dtype, LINEAR_DTYPES)
         for name in OVERLAP_FIELDS:
             if getattr(self, name) is not None:
                 _checks.boolean(name, getattr(self, name))
@@ -252,7 +261,7 @@ SOFTWARE: dict[str, Software] = {
         _preset(
             "planner-default",
             "the planner's default stack",
-            dict.fromkeys(FIELDS[:12], _ASSUMED),
+            dict.fromkeys(FIELDS[:13], _ASSUMED),
             fused_attention=True,
             dropout=True,
             gradient_reduce_dtype="bf16",

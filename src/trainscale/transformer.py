@@ -45,12 +45,10 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from trainscale import _checks
+from trainscale.checkpointing import RECOMPUTE
 
 ATTENTION = ("naive", "sdpa")
 """Ways to compute attention: the explicit softmax, or ``scaled_dot_product_attention``."""
-
-RECOMPUTE = ("none", "selective", "full")
-"""Activation checkpointing: none, each block's attention core, or each whole block."""
 
 QKV_LAYOUTS = ("blocked", "by_head")
 """How the rows of the fused ``qkv`` projection are ordered: all queries, then all keys,
@@ -392,3 +390,50 @@ def matmul_weights(config: GPTConfig) -> int:
     _check_config(config)
     d = config.d_model
     return config.layers * 2 * d * (2 * d + config.hidden) + d * config.vocab
+
+
+class TransformerLayer(Block):
+    """One :class:`Block`, set up as Korthikanti et al. count it (chapter 09, which reads it
+    as :class:`trainscale.checkpointing.TransformerLayer`).
+
+    A pre-LN layer, batch first, ``(batch, seq, hidden)``:
+    ``x + dropout(proj(attention(ln(x))))``, then ``+ dropout(mlp(ln(.)))`` with an
+    MLP of width ``4 * hidden`` and GELU. ``attention`` is ``"naive"`` (written out,
+    so autograd keeps the softmax output, the dropout mask and the dropped-out
+    probabilities) or ``"sdpa"`` (``F.scaled_dot_product_attention``, which may
+    pick a fused kernel that keeps no score table); ``recompute_attention=True``
+    checkpoints the naive attention core, Korthikanti et al.'s *selective*
+    recomputation; ``fused_dropout=True`` stores 1-byte dropout masks as GPU
+    kernels do. The causal mask is added to the scores, so it keeps nothing.
+    Weights are PyTorch's default initialisation drawn from ``seed``, without
+    touching the global random state. The dtype is the caller's:
+    ``layer.to(torch.bfloat16)``.
+    """
+
+    def __init__(
+        self,
+        hidden: int,
+        heads: int,
+        dropout: float = 0.1,
+        attention: str = "naive",
+        recompute_attention: bool = False,
+        fused_dropout: bool = False,
+        seed: int = 0,
+    ) -> None:
+        h = _checks.count("hidden", hidden, minimum=1)
+        if h % _checks.count("heads", heads, minimum=1):
+            raise ValueError(f"heads must divide hidden = {h}, got {heads!r}")
+        if _checks.boolean("recompute_attention", recompute_attention) and attention != "naive":
+            raise ValueError(f"recompute_attention needs attention='naive', got {attention!r}")
+        config = GPTConfig(
+            d_model=h,
+            heads=heads,
+            layers=1,
+            attention=attention,
+            dropout=dropout,
+            fused_dropout=_checks.boolean("fused_dropout", fused_dropout),
+            recompute="selective" if recompute_attention else "none",
+        )
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(_checks.count("seed", seed))
+            super().__init__(config)

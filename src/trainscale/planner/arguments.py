@@ -18,7 +18,13 @@ from dataclasses import dataclass
 from trainscale import _checks, planner
 from trainscale.planner import inputs
 from trainscale.published import GPUS, PublishedRun, published_runs
-from trainscale.software import DEFAULT_SOFTWARE, GRADIENT_REDUCE_DTYPES, SOFTWARE, Software
+from trainscale.software import (
+    DEFAULT_SOFTWARE,
+    GRADIENT_REDUCE_DTYPES,
+    LINEAR_DTYPES,
+    SOFTWARE,
+    Software,
+)
 
 DEFAULT_GPU = "H100-80GB"
 """The GPU of the book's worked example (:data:`trainscale.planner.EXAMPLE_CLUSTER`),
@@ -180,6 +186,13 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="dtype the gradients are accumulated and reduced in (default: the software's)",
     )
+    add(
+        "--linear-dtype",
+        choices=LINEAR_DTYPES,
+        default=None,
+        help="dtype the linear layers multiply in: fp8 on a GPU with FP8 tensor cores"
+        " (less validated than bf16; default: the software's)",
+    )
     depths = ",".join(map(str, planner.INTERLEAVING))
     add(
         "--virtual-stages",
@@ -202,6 +215,19 @@ def parser() -> argparse.ArgumentParser:
         help="why this layout ranks where it does, or why it is rejected, with the term"
         " that limits it (CP, EP default 1; V: every depth)",
     )
+    add(
+        "--max-tp",
+        type=float,
+        default=None,
+        metavar="N",
+        help="try only layouts with at most N tensor-parallel GPUs (default: any)",
+    )
+    add(
+        "--zero-stages",
+        default=None,
+        metavar="Z[,Z...]",
+        help="the ZeRO stages to try, e.g. 1,3 (default: every stage the software offers)",
+    )
     add("--top", type=int, default=5, metavar="K", help="list K layouts (default: 5)")
     add(
         "--laptop",
@@ -211,6 +237,11 @@ def parser() -> argparse.ArgumentParser:
         help="also print the best layout scaled down to a tiny model on N CPU processes",
     )
     add("--list-models", action="store_true", help="list the presets and stop")
+    add(
+        "--json",
+        action="store_true",
+        help="print the plan (or the presets, with --list-models) as JSON",
+    )
     return p
 
 
@@ -234,9 +265,13 @@ class Request:
     """``--explain``'s value, checked by :func:`trainscale.planner.explain.explain_spec`."""
     context_parallel: tuple[int, ...] | None = None
     """The CP degrees searched (``None``: :func:`trainscale.planner.context_parallel_degrees`)."""
+    max_tp: int | None = None
+    """``--max-tp``: layouts with more tensor-parallel GPUs are not tried (``None``: any)."""
+    zero_stages: tuple[int, ...] | None = None
+    """``--zero-stages``: the ZeRO stages tried (``None``: every stage the software offers)."""
 
 
-SOFTWARE_FLAGS = ("fused_attention", "dropout", "gradient_reduce_dtype")
+SOFTWARE_FLAGS = ("fused_attention", "dropout", "gradient_reduce_dtype", "linear_dtype")
 """The fields of :class:`trainscale.software.Software` a flag changes (``--no-dropout``)."""
 
 
@@ -355,6 +390,21 @@ def _depths(text: str | None) -> tuple[int, ...]:
     return _degrees("--virtual-stages", text) or planner.INTERLEAVING
 
 
+def _zero_stages(text: str | None) -> tuple[int, ...] | None:
+    """``--zero-stages``: ZeRO stages 0-3 separated by commas (``None``: the software's)."""
+    if text is None:
+        return None
+    try:
+        values = [float(part) for part in text.split(",")]
+    except ValueError:
+        raise ValueError(
+            f"--zero-stages must be ZeRO stages 0-3 separated by commas, got {text!r}"
+        ) from None
+    return tuple(
+        dict.fromkeys(int(_checks.choice("--zero-stages", v, (0, 1, 2, 3))) for v in values)
+    )
+
+
 SPEC_FIELDS = ("TP", "PP", "DP", "CP", "EP", "V")
 """The degrees ``--explain`` takes, in order (CP, EP and V optional: 1, 1, every depth)."""
 
@@ -409,6 +459,8 @@ def parse(argv: Sequence[str] | None = None) -> Request | None:
     laptop = None if args.laptop is None else _checks.count("--laptop", args.laptop, minimum=1)
     stack = _software(args, preset)
     depths = _depths(args.virtual_stages)
+    max_tp = None if args.max_tp is None else _checks.count("--max-tp", args.max_tp, minimum=1)
+    zero_stages = _zero_stages(args.zero_stages)
     if args.explain is not None:
         explain_spec(args.explain, cluster.gpus)  # refused here, naming --explain
     run = preset.run if preset else None
@@ -420,4 +472,7 @@ def parse(argv: Sequence[str] | None = None) -> Request | None:
     ):
         run = None  # a flag changed the run: the published figures no longer apply
     cps = _degrees("--context-parallel", args.context_parallel)
-    return Request(model, cluster, gpu, batch, top, laptop, run, stack, depths, args.explain, cps)
+    return Request(
+        *(model, cluster, gpu, batch, top, laptop, run, stack, depths, args.explain, cps),
+        *(max_tp, zero_stages),
+    )

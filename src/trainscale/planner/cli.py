@@ -37,18 +37,29 @@ NAME`` picks a preset of :data:`trainscale.software.SOFTWARE` (a published run's
 brings its own; otherwise :data:`trainscale.software.DEFAULT_SOFTWARE`, the planner's
 assumptions before the software was an input), and ``--fused-attention`` /
 ``--no-fused-attention``, ``--dropout`` / ``--no-dropout``, ``--gradient-reduce-dtype``
-change one field of it.
+change one field of it. ``--max-tp N`` and ``--zero-stages Z[,Z...]`` narrow the search.
+
+``--json`` prints the same plan as data (:func:`plan_json`): the ranked layouts with their
+MFU range, memory and time parts, the verdict counts, the fastest rejected layouts with
+their reasons, the ``torchrun`` command, and the text report's lines; with
+``--list-models``, the presets, GPUs and software stacks (:func:`choices`). Chapter 13's
+web page runs the same function under Pyodide.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import io
+import json
+import math
 import re
 import sys
 from collections import Counter
 from collections.abc import Sequence
 
 from trainscale import planner
-from trainscale.memory import GIB
+from trainscale.memory import GIB, USABLE_MEMORY
 from trainscale.planner.arguments import (
     DEFAULT_GPU,
     MODEL_FLAGS,
@@ -75,7 +86,8 @@ from trainscale.planner.commands import (
     train_flags,
 )
 from trainscale.planner.explain import explain, explain_spec
-from trainscale.published import PublishedRun
+from trainscale.published import GPUS, PublishedRun
+from trainscale.software import SOFTWARE
 
 __all__ = [  # the command line's names, and those it re-exports from arguments and commands
     "DEFAULT_GPU",
@@ -87,6 +99,7 @@ __all__ = [  # the command line's names, and those it re-exports from arguments 
     "SOFTWARE_FLAGS",
     "Preset",
     "Request",
+    "choices",
     "cluster_command",
     "describe",
     "laptop_command",
@@ -97,6 +110,7 @@ __all__ = [  # the command line's names, and those it re-exports from arguments 
     "nothing_fits",
     "parse",
     "parser",
+    "plan_json",
     "preset_name",
     "presets",
     "refusal",
@@ -182,17 +196,30 @@ def layout_table(
     return lines
 
 
-def _runnable(best: Sequence[planner.Layout], request: Request) -> tuple[int | None, list[str]]:
-    """The place in ``best`` of the first layout the capstone can run, and a note for
-    each faster one it cannot."""
+UNCHECKED = (
+    "trainscale.train's own checks need torch, which is not installed here: the command"
+    " is layout {place}'s, unchecked (python -m trainscale.planner with torch checks it)"
+)
+"""The note where :func:`trainscale.planner.commands.refusal` cannot run (no torch: the
+planner's web page)."""
+
+
+def _runnable(
+    best: Sequence[planner.Layout], request: Request
+) -> tuple[int | None, list[str], bool]:
+    """The place in ``best`` of the first layout the capstone can run, a note for each
+    faster one it cannot, and whether the capstone's checks ran (they need torch)."""
     notes = []
     for place, layout in enumerate(best):
         flags = train_flags(layout, request.model, request.cluster.peak_flops)
-        reason = refusal(flags, request.cluster.gpus)
+        try:
+            reason = refusal(flags, request.cluster.gpus)
+        except ImportError:  # no torch (chapter 13's web page): the command goes unchecked
+            return place, [*notes, UNCHECKED.format(place=place + 1)], False
         if reason is None:
-            return place, notes
+            return place, notes, True
         notes.append(f"trainscale.train cannot run layout {place + 1} as planned: {reason}")
-    return None, notes
+    return None, notes, True
 
 
 def _published_lines(run: PublishedRun) -> list[str]:
@@ -284,8 +311,15 @@ def too_many_gpus(request: Request) -> str | None:
 
 def report(request: Request) -> tuple[list[str], bool]:
     """Everything ``main`` prints for ``request``, and whether it found a layout to run."""
+    return _report(request, {})
+
+
+def _report(request: Request, data: dict) -> tuple[list[str], bool]:
+    """:func:`report`, writing the same plan as data into ``data`` (:func:`plan_json`)."""
+    data.update(request=_request_json(request), summary=describe(request))
     crowded = too_many_gpus(request)
     if crowded is not None:
+        data["error"] = crowded
         return [*describe(request), "", crowded], False
     spec = None if request.explain is None else explain_spec(request.explain, request.cluster.gpus)
     stack = request.software
@@ -294,17 +328,28 @@ def report(request: Request) -> tuple[list[str], bool]:
         software=stack,
         virtual_stages=request.virtual_stages,
         context_parallel=request.context_parallel,
+        zero_stages=request.zero_stages,
     )
+    if request.max_tp is not None:
+        layouts = [lay for lay in layouts if lay.tp <= request.max_tp]
     best = planner.top_layouts(layouts, count=request.top)
     counts = planner.verdict_counts(layouts)
+    rejected = _rejected(layouts)
+    data.update(
+        layouts_tried=len(layouts),
+        verdicts=counts,
+        rejected=[_layout_json(lay) for lay in rejected],
+    )
     lines = [*describe(request), f"{len(layouts):,} layouts tried, {counts['fits']:,} fit", ""]
     if spec is not None:
         lines += [*explain(request, spec, layouts), ""]
     if not best:
+        data["nothing_fits"] = nothing_fits(request, layouts)
         return [*lines, rejections(counts), "", *nothing_fits(request, layouts)], False
     ranges = [
         planner.mfu_range(request.model, request.cluster, lay, software=stack) for lay in best
     ]
+    data["best"] = [_layout_json(lay, span) for lay, span in zip(best, ranges, strict=True)]
     lines += [
         f"the fastest shapes (planner estimates, software {stack.name}):",
         *layout_table(best, ranges),
@@ -314,7 +359,9 @@ def report(request: Request) -> tuple[list[str], bool]:
     ]
     if request.published is not None:
         lines += _published_lines(request.published)
-    place, notes = _runnable(best, request)
+        data["published"] = _published_lines(request.published)[:-1]
+    place, notes, checked = _runnable(best, request)
+    data["notes"] = notes
     lines += [*(f"note: {note}" for note in notes), *([""] if notes else [])]
     if place is None:
         return [*lines, "none of these layouts runs with trainscale.train as it is"], False
@@ -322,13 +369,165 @@ def report(request: Request) -> tuple[list[str], bool]:
     where = "on each node run" if request.cluster.nodes > 1 else "run"
     lines += [f"to train layout {place + 1}, {chosen.name.replace(chr(215), 'x')}, {where}", ""]
     lines += [cluster_command(chosen, request), "", *_shape_note(request.model)]
+    data["command"] = {
+        "layout": place + 1,
+        "where": where,
+        "text": cluster_command(chosen, request),
+        "checked": checked,
+        "notes": _shape_note(request.model)[:1],
+    }
     if request.laptop is not None:
         lines += _laptop_lines(chosen, request.laptop)
     return lines, True
 
 
+# --------------------------------------------------------------------------- JSON
+
+
+def _plain(value: object) -> object:
+    """``value`` with ``nan`` as ``None`` and tuples as lists, all the way down (strict JSON)."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(item) for item in value]
+    return value
+
+
+def _layout_json(layout: planner.Layout, span: tuple[float, float] | None = None) -> dict:
+    """One layout as data: its degrees and settings, MFU (and range), step time and its
+    parts (:data:`trainscale.planner.TIME_PARTS`), memory per GPU and its parts
+    (:data:`trainscale.planner.MEMORY_PARTS`), verdict, problems and notes."""
+    fields = dataclasses.asdict(layout)
+    return {
+        "name": layout.name.replace("\u00d7", "x"),
+        "settings": layout.settings,
+        **{key: fields[key] for key in ("tp", "cp", "pp", "dp", "ep", "virtual_stages")},
+        **{key: fields[key] for key in ("zero_stage", "recompute", "micro_batch")},
+        "accumulation": layout.accumulation,
+        "mfu": layout.mfu,
+        "mfu_range": None if span is None else list(span),
+        "step_seconds": layout.step_seconds,
+        "times": dict(layout.times),
+        "bubble": layout.bubble,
+        "memory_bytes": layout.memory_bytes,
+        "memory_parts": dict(layout.memory_parts),
+        "verdict": layout.verdict,
+        "problems": list(layout.problems),
+        "notes": list(layout.notes),
+    }
+
+
+def _request_json(request: Request) -> dict:
+    """What is planned: the model, the cluster (with the share of its memory the planner
+    fills, :data:`trainscale.memory.USABLE_MEMORY`), the batch, the software, the search."""
+    software = dataclasses.asdict(request.software)
+    software.pop("sources")
+    return {
+        "model": dataclasses.asdict(request.model),
+        "gpu": request.gpu,
+        "cluster": {
+            **dataclasses.asdict(request.cluster),
+            "gpus": request.cluster.gpus,
+            "usable_memory": USABLE_MEMORY,
+        },
+        "global_batch": request.global_batch,
+        "software": software,
+        "virtual_stages": request.virtual_stages,
+        "context_parallel": request.context_parallel,
+        "max_tp": request.max_tp,
+        "zero_stages": request.zero_stages,
+        "top": request.top,
+        "published": None if request.published is None else request.published.name,
+    }
+
+
+def _rejected(layouts: Sequence[planner.Layout]) -> list[planner.Layout]:
+    """For each verdict that rejects a layout, the fastest layout it rejects (the planner's
+    ranking), in the order of the ranking."""
+    first: dict[str, planner.Layout] = {}
+    for layout in layouts:
+        if layout.verdict != "fits":
+            first.setdefault(layout.verdict, layout)
+    place = {id(layout): rank for rank, layout in enumerate(layouts)}
+    return sorted(first.values(), key=lambda layout: place[id(layout)])
+
+
+def _flag_at_fault(message: str) -> str | None:
+    """The flag an error message is about: the one it starts with (``--nodes must be``),
+    else the first it names after ``--model`` (``without --model, give every size: --layers
+    ... missing``; argparse's ``argument --nodes: invalid float value``)."""
+    named = re.findall(r"--[a-z][a-z-]*", message)
+    if message.startswith("--") and named:
+        return named[0]
+    others = [flag for flag in named if flag != "--model"]
+    return others[0] if others else (named[0] if named else None)
+
+
+def choices() -> dict:
+    """What a form for the command line offers: every preset (``--list-models``) with its
+    model, GPU, nodes, global batch and software; the GPUs; the software stacks."""
+    return _plain(
+        {
+            "models": {
+                name: {
+                    "title": preset.title,
+                    "model": dataclasses.asdict(preset.model),
+                    "gpu": preset.gpu,
+                    "nodes": preset.nodes,
+                    "global_batch": preset.global_batch,
+                    "software": preset.software.name,
+                    "published": preset.run is not None,
+                }
+                for name, preset in presets().items()
+            },
+            "gpus": {name: dataclasses.asdict(gpu) for name, gpu in GPUS.items()},
+            "software": {name: stack.title for name, stack in SOFTWARE.items()},
+            "default_gpu": DEFAULT_GPU,
+        }
+    )  # type: ignore[return-value]
+
+
+def plan_json(argv: Sequence[str]) -> dict:
+    """What ``python -m trainscale.planner ARGV --json`` prints, as a dict.
+
+    A plan: ``request`` (what is planned), ``summary`` (the text's first lines),
+    ``layouts_tried``, ``verdicts`` (layouts per verdict), ``best`` (the ranked layouts,
+    each with ``mfu_range``, ``memory_parts`` and ``times``), ``rejected`` (for each
+    verdict that rejects, the fastest layout it rejects, with its ``problems`` and
+    ``notes``), ``published``,
+    ``notes``, ``command`` (the ``torchrun`` command of the first layout the capstone
+    runs, and whether its checks ran), ``nothing_fits`` or ``error`` where they apply,
+    ``text`` (the lines ``python -m trainscale.planner`` prints) and ``fits``. Bad input
+    gives ``{"error": message, "flag": the flag at fault}``, with the message the
+    command line prints; ``--list-models`` gives :func:`choices`. Numbers that do not
+    exist (an invalid layout's) are ``None``.
+    """
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said):
+            request = parse(argv)
+    except ValueError as error:
+        return {"error": str(error), "flag": _flag_at_fault(str(error))}
+    except SystemExit:  # argparse's own refusal: a word where a number goes, an unknown flag
+        message = said.getvalue().strip().splitlines()[-1]
+        message = message.removeprefix(f"{parser().prog}: error: ")
+        return {"error": message, "flag": _flag_at_fault(message)}
+    if request is None:
+        return choices()
+    data: dict = {}
+    lines, fits = _report(request, data)
+    return _plain({**data, "text": lines, "fits": fits})  # type: ignore[return-value]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit status (0 done, 1 nothing fits, 2 bad input)."""
+    arguments = sys.argv[1:] if argv is None else list(argv)
+    if parser().parse_args(arguments).json:
+        data = plan_json(arguments)
+        print(json.dumps(data, indent=1, allow_nan=False))
+        return 2 if "flag" in data else (0 if data.get("fits", True) else 1)
     try:
         request = parse(argv)
     except ValueError as error:

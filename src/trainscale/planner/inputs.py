@@ -200,6 +200,9 @@ class Cluster:
     (``None``: its ``peak_flops``) and ``attention_share`` the span of shares of peak a
     fused attention kernel sustains on it (``None``: the GEMMs' share); both are unknowns
     whose span the planner's range covers (:mod:`trainscale.planner.unknowns`).
+    ``fp8_peak_flops`` and ``fp8_max_matmul_share`` are the GPU's dense FP8 peak and its
+    fastest measured FP8 GEMM's share of it (``None``: no FP8, or not measured), for a
+    stack whose linear layers run in FP8.
     """
 
     nodes: int
@@ -213,6 +216,8 @@ class Cluster:
     max_matmul_share: float | None = 794.5 / 989
     peak_flops_low: float | None = None
     attention_share: tuple[float, float] | None = None
+    fp8_peak_flops: float | None = None
+    fp8_max_matmul_share: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("nodes", "gpus_per_node"):
@@ -237,6 +242,12 @@ class Cluster:
                     f"attention_share must be (slowest, fastest), got {self.attention_share}"
                 )
             object.__setattr__(self, "attention_share", (low, high))
+        if self.fp8_peak_flops is not None:
+            fp8 = _checks.positive("fp8_peak_flops", self.fp8_peak_flops)
+            object.__setattr__(self, "fp8_peak_flops", fp8)
+        if self.fp8_max_matmul_share is not None:
+            share = _checks.positive("fp8_max_matmul_share", self.fp8_max_matmul_share, maximum=1.0)
+            object.__setattr__(self, "fp8_max_matmul_share", share)
 
     @property
     def gpus(self) -> int:
@@ -342,6 +353,8 @@ def node_settings(gpu: str, inter_node_bandwidth: float) -> dict[str, object]:
         "max_matmul_share": spec.max_matmul_share,
         "peak_flops_low": spec.peak_flops_low,
         "attention_share": spec.attention_share,
+        "fp8_peak_flops": spec.fp8_peak_flops,
+        "fp8_max_matmul_share": spec.fp8_max_matmul_share,
     }
 
 

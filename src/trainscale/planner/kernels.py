@@ -117,9 +117,11 @@ def _layer_times(
     unknowns: Unknowns = CENTRAL,
     c: int = 1,
     ep: int = 1,
+    linear_dtype: str = "bf16",
 ) -> tuple[float, float, float]:
     """:func:`_layer_times_at` at one setting of the ``unknowns``: the GEMM share and the
-    attention kernel's rate of :func:`_rates`, the element-wise traffic and tile overhead."""
+    attention kernel's rate of :func:`_rates`, the element-wise traffic and tile overhead;
+    the linear layers in ``linear_dtype`` (:func:`_linear_rate`)."""
     share, attention_rate = _rates(cluster, unknowns)
     return _layer_times_at(
         model,
@@ -133,7 +135,30 @@ def _layer_times(
         ep,
         unknowns.tile_overhead,
         attention_rate,
+        _linear_rate(cluster, unknowns, linear_dtype),
     )
+
+
+def _linear_rate(
+    cluster: Cluster, unknowns: Unknowns, linear_dtype: str
+) -> tuple[float, float] | None:
+    """``(peak, share)`` of the linear layers' GEMMs in FP8, or ``None`` for 16-bit ones.
+
+    The FP8 share is :func:`gemm_share` moved to the GPU's FP8 tensor cores by the ratio of
+    their fastest measured GEMM (``fp8_max_matmul_share``) to the A100's bf16 one, as the
+    bf16 share is moved by ``max_matmul_share``; on the power-limited end, scaled as the
+    bf16 share is. ``ValueError`` when the GPU has no FP8 peak or no measured FP8 GEMM."""
+    if linear_dtype == "bf16":
+        return None
+    if cluster.fp8_peak_flops is None or cluster.fp8_max_matmul_share is None:
+        raise ValueError(
+            "linear_dtype fp8 needs a GPU with fp8_peak_flops and a measured fp8_max_matmul_share"
+        )
+    reference = GPUS[TABLE4_GPU].max_matmul_share
+    peaks = None if cluster.peak_flops_low is None else (cluster.peak_flops_low, cluster.peak_flops)
+    limited = band_value(peaks, unknowns.peak, cluster.peak_flops) / cluster.peak_flops
+    share = gemm_share(unknowns.tile_overhead, unknowns.traffic) / reference
+    return cluster.fp8_peak_flops, share * cluster.fp8_max_matmul_share * limited
 
 
 def _rates(cluster: Cluster, unknowns: Unknowns = CENTRAL) -> tuple[float, float]:
@@ -193,6 +218,7 @@ def _layer_times_at(
     ep: int = 1,
     overhead: float = 1.0,
     attention_rate: float | None = None,
+    linear: tuple[float, float] | None = None,
 ) -> tuple[float, float, float]:
     """Seconds of one layer on one GPU: ``(forward, its attention-score part, backward)``.
 
@@ -203,7 +229,9 @@ def _layer_times_at(
     attention kernel, whose scores stay on chip and which skips the key blocks the
     causal mask hides, :func:`_fused_attention_seconds`, at ``attention_rate`` FLOP/s:
     a fused kernel is not a GEMM, and runs at its own measured share of peak; ``None``:
-    the GEMM share's). Backward, each GEMM's two
+    the GEMM share's). ``linear``: ``(peak, share)`` of the linear layers' GEMMs when they
+    run in FP8 (:func:`_linear_rate`; ``None``: as the others). Their FP8 casts and scaling
+    are not counted: part of why FP8 is less validated. Backward, each GEMM's two
     gradient GEMMs at their own shapes (:func:`_forward_and_backward`); a fused
     attention kernel's :data:`FUSED_BACKWARD_PASSES` times its forward. Plus the
     element-wise kernels: ``traffic`` (:data:`ELEMENTWISE_TRAFFIC`) x the bytes the
@@ -238,7 +266,10 @@ def _layer_times_at(
         per_expert = rows * model.top_k / local
         shapes += [(rows, h, model.experts, 1)]  # the router
         shapes += [(per_expert, h, width * gates / t, local), (per_expert, width / t, h, local)]
-    passes = [_forward_and_backward(gemm, m, k, n, batch) for m, k, n, batch in shapes]
+    linear_gemm = gemm
+    if linear is not None:
+        linear_gemm = functools.partial(gemm, peak_flops=linear[0], share=linear[1])
+    passes = [_forward_and_backward(linear_gemm, m, k, n, batch) for m, k, n, batch in shapes]
     dense, dense_back = sum(f for f, _ in passes), sum(g for _, g in passes)
     pairs = b * a / t  # (sequence, head) pairs on this GPU
     shape = model.layer_shape
@@ -353,6 +384,7 @@ def _roofline(
     c: int = 1,
     ep: int = 1,
     selective: str = "scores",
+    linear_dtype: str = "bf16",
 ) -> tuple[float, float, float]:
     """Forward, backward and recomputation seconds of one micro-batch on the slowest stage.
 
@@ -371,7 +403,7 @@ def _roofline(
     of the forward GEMMs' time, taken as their FLOP share, and the forward's element-wise
     time).
     """
-    layer, score, layer_back = _layer_times(model, cluster, t, b, sp, unknowns, c, ep)
+    layer, score, layer_back = _layer_times(model, cluster, t, b, sp, unknowns, c, ep, linear_dtype)
     rows, share = b * model.seq_len / c, _rates(cluster, unknowns)[0]
     bw = cluster.memory_bandwidth
     gemm = functools.partial(
@@ -389,8 +421,10 @@ def _roofline(
 
     if selective == "every other matmul":
         rates = _rates(cluster, unknowns)
+        linear = _linear_rate(cluster, unknowns, linear_dtype)
         bare = _layer_times_at(
-            model, cluster, t, b, sp, rates[0], 0.0, c, ep, unknowns.tile_overhead, rates[1]
+            *(model, cluster, t, b, sp, rates[0], 0.0, c, ep),
+            *(unknowns.tile_overhead, rates[1], linear),
         )[0]  # the forward without its element-wise kernels
         again = every_other_matmul_share(model) * (bare - score) + (layer - bare)
     elif selective == "core attention" or not model.layer_shape["fused_attention"]:

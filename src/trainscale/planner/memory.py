@@ -29,8 +29,6 @@ from __future__ import annotations
 import functools
 import math
 
-import torch
-
 from trainscale import _checks
 from trainscale.checkpointing import layer_activation_bytes
 from trainscale.context import gradient_reduce_ranks
@@ -110,7 +108,7 @@ def model_state_per_gpu(
     return dict(_state(per_gpu, gradient_reduce_ranks(dp, context_parallel), zero_stage))
 
 
-FP32_GRADIENTS = StateDtypes(gradients=torch.float32)
+FP32_GRADIENTS = StateDtypes(gradients="float32")
 """Mixed precision with fp32 gradients (accumulated over micro-batches and reduced in
 fp32, as Llama 3 did: Dubey et al., arXiv 2407.21783, section 3.3.2, "Numerical
 stability"): 18 bytes per parameter instead of 16, and 4-byte gradients on the wire."""

@@ -73,10 +73,10 @@ import functools
 
 from trainscale import _checks
 from trainscale.checkpointing import selective_recompute_flops
+from trainscale.collectives import layer_collectives
 from trainscale.compute import FLOPS_PER_PARAM_PER_TOKEN, mfu
 from trainscale.context import gradient_reduce_ranks
 from trainscale.memory import BYTES_PER_PARAM, GIB, OPTIMIZER_STATE, USABLE_MEMORY
-from trainscale.parallel import layer_collectives
 from trainscale.pipeline import bubble as _bubble
 from trainscale.pipeline import bubble_zb_h1
 from trainscale.planner.inputs import (
@@ -155,6 +155,10 @@ def _evaluate(problem: _Problem, shape: _Shape, opt: _Options) -> Layout:
     notes += opt.software.layout_problems(p, v, zero)
     if model.heads % t:
         notes.append(f"TP {t} does not divide the {model.heads} attention heads")
+    if opt.software.linear_dtype == "fp8" and (
+        cluster.fp8_peak_flops is None or cluster.fp8_max_matmul_share is None
+    ):
+        notes.append("FP8 linear layers need a GPU with a measured FP8 GEMM")
     if not _chunks_fit(model.layers, p, v):
         notes.append(f"{p * v} pipeline chunks for {model.layers} layers")
     if batch % d:
@@ -191,22 +195,13 @@ def _evaluate(problem: _Problem, shape: _Shape, opt: _Options) -> Layout:
     if opt.efficiency is None:
         short = -(-model.layers // (p * v)) * p * v - model.layers if p > 1 else 0
         sp, unknowns = opt.sequence_parallel, opt.unknowns
+        stack = opt.software
         forward, backward, recompute = _roofline(
-            model,
-            cluster,
-            t,
-            b,
-            per_stage,
-            mode,
-            sp,
-            unknowns,
-            short,
-            c,
-            ep,
-            opt.software.selective_recompute,
+            *(model, cluster, t, b, per_stage, mode, sp, unknowns, short, c, ep),
+            *(stack.selective_recompute, stack.linear_dtype),
         )
         compute = forward + backward
-        attention = _layer_times(model, cluster, t, b, sp, unknowns, c, ep)[1]
+        attention = _layer_times(model, cluster, t, b, sp, unknowns, c, ep, stack.linear_dtype)[1]
     else:
         rate = cluster.peak_flops * opt.efficiency
         six = sum(FLOPS_PER_PARAM_PER_TOKEN.values())
