@@ -9,7 +9,10 @@ interleaved pipeline, and a bad layout refused by every rank before any
 collective.
 """
 
+import dataclasses
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -251,6 +254,41 @@ def test_the_defaults_are_valid():
 def test_bad_flags_are_named(argv, flag):
     with pytest.raises(ValueError, match=f"^{flag} must"):
         train.parse_args(argv)
+
+
+def test_every_flag_is_declared_once_as_a_field_with_its_default_and_help():
+    fields = dataclasses.fields(train.TrainConfig)
+    actions = {a.dest: a for a in train.parser()._actions if a.dest != "help"}
+    assert list(actions) == [f.name for f in fields]  # one flag per field, in its order
+    for field in fields:
+        action = actions[field.name]
+        assert action.option_strings == ["--" + field.name.replace("_", "-")]
+        assert action.default == field.default and action.help == field.metadata["help"]
+        assert action.help  # every flag says what it does
+    assert actions["tp"].type is int and actions["lr"].type is float
+    assert actions["ckpt_dir"].type is None and actions["bf16"].const is True  # a switch
+    assert train.parse_args([]) == train.TrainConfig()  # the same defaults either way
+
+
+def test_a_field_of_an_unknown_type_cannot_become_a_flag():
+    with pytest.raises(ValueError, match=r"^annotation must be one of"):
+        train.config._flag_type("list[int]")
+
+
+@pytest.mark.slow  # one python -m process
+def test_the_package_runs_as_a_module_without_warnings():
+    # python -m trainscale.train (and torchrun -m) runs train/__main__.py; -W error turns
+    # runpy's "found in sys.modules" warning, were __main__ imported early, into a failure.
+    done = subprocess.run(
+        [sys.executable, "-W", "error", "-m", "trainscale.train", "--tp", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == (
+        "python -m trainscale.train: error: --tp must be a whole number >= 1, got 0\n"
+    )
 
 
 def test_defaults_that_follow_the_other_flags():

@@ -1,0 +1,167 @@
+"""The capstone of chapters 13 and 16: a small GPT trained on any layout, restartably.
+
+The model is the book's decoder (:mod:`trainscale.transformer`) with fused
+attention and an untied head. One script puts the book's techniques together,
+composed as torchtitan composes them, over one ``DeviceMesh`` whose dimensions
+are ``["pp", "dp_replicate", "dp_shard", "cp", "tp"]``:
+
+* pipeline parallelism (``--pp``): the decoder split by layers into stages
+  (the first holds the embeddings, the last the final norm and head), run by
+  ``torch.distributed.pipelining`` with ``Schedule1F1B`` or
+  ``ScheduleInterleaved1F1B`` (``--pp-schedule``, ``--virtual-stages``);
+* tensor parallelism with sequence parallelism (``--tp``) on each stage's
+  blocks (DTensor ``parallelize_module``), then activation checkpointing
+  (``--checkpoint-activations``);
+* context parallelism (``--cp``): each sequence split over the ``cp`` ranks,
+  attention computed as ring attention (chapter 14,
+  :func:`trainscale.workers.context.ring_attention`);
+* FSDP2's ``fully_shard`` over the data-parallel ranks (``--dp-shard``, and the
+  ``cp`` ranks with them, whose gradients are averaged too), HSDP when
+  ``--dp-replicate`` > 1; ``--parallel ddp`` and ``--parallel fsdp`` are
+  shorthand for ``--dp-replicate WORLD`` and ``--dp-shard WORLD``;
+
+and bf16 autocast, gradient accumulation (the pipeline's micro-batches under
+``--pp``), warmup plus cosine decay, global-norm clipping, a log of loss,
+gradient norm, learning rate, throughput and MFU, and checkpoints it resumes
+from after a crash, on the same layout or another. Eight CPU processes on a
+laptop (gloo), started by the package's launcher, which keeps every listening
+socket on 127.0.0.1 (:mod:`trainscale.launch`; plain ``torchrun`` listens on
+every interface)::
+
+    python -m trainscale.launch --nproc-per-node=8 --max-restarts=1 \\
+        -m trainscale.train --tp 2 --pp 2 --dp-shard 2 --grad-accum 4 --ckpt-dir /tmp/capstone
+
+The same command on a node with eight GPUs runs on NCCL, one GPU per process
+(:func:`trainscale.distributed.backend_and_device`). Whatever the layout, the
+job trains on the same data as one process would (:func:`global_batch`), and
+its loss is the mean over every token of the global batch.
+
+Run alone, without a launcher, ``python -m trainscale.train --steps 4`` trains as
+one process (a layout of several ranks says, in one line, how to launch it), and a
+bad flag ends it with one line naming the flag (:func:`main`). ``--warmup`` and
+``--grad-accum`` default to what the other flags allow: ``min(10, --steps // 10)``
+warmup steps, and one micro-batch per step, or one per pipeline stage with ``--pp``
+(:func:`default_warmup`, :func:`default_grad_accum`).
+
+What makes a restart exact:
+
+* the data of optimiser step ``s`` is a function of ``(seed, s)`` alone
+  (:func:`global_batch`), so the data loader's whole state is the step count;
+* a checkpoint holds the model, the optimiser (Adam's moments and step
+  counts), the step, from which the learning rate follows, and the data
+  position, every tensor under its name in the unsplit model
+  (:class:`TrainState`), so that another layout can load it, each rank
+  reading the pieces it needs. ``torch.distributed.checkpoint`` writes each rank's shards in
+  parallel; the folder is renamed to its final name only once every rank has
+  finished, so a crash mid-save leaves no checkpoint that looks complete;
+* the model has no dropout and the same seed initialises it on every rank.
+
+``--fail-at-step K --fail-rank R`` makes rank ``R`` exit abruptly in the middle
+of step ``K`` (counted from 0), on the first attempt only: ``torchrun`` counts
+its restarts in ``TORCHELASTIC_RESTART_COUNT``. With ``--max-restarts=1``,
+torchrun then stops the other ranks, starts them all again, and the run resumes
+from its latest complete checkpoint.
+
+The package, in torchtitan's split by concern: :mod:`~trainscale.train.config` (the
+flags, declared once, and the layout), :mod:`~trainscale.train.data`,
+:mod:`~trainscale.train.parallelize` (mesh, stages, TP, CP, FSDP2, the pipeline
+schedule), :mod:`~trainscale.train.checkpoints`, :mod:`~trainscale.train.loop` and
+:mod:`~trainscale.train.cli` (``worker`` and ``main``); their names are re-exported here.
+"""
+
+from trainscale.train.checkpoints import (
+    CHECKPOINT_PREFIX,
+    TrainState,
+    checkpoint_path,
+    complete_checkpoints,
+    latest_checkpoint,
+    load_latest,
+    save_checkpoint,
+    save_final_weights,
+)
+from trainscale.train.cli import TORCHRUN_ENVIRONMENT, main, ranks_needed, runs_alone, worker
+from trainscale.train.config import (
+    DIMS,
+    PP_SCHEDULES,
+    PROG,
+    WARMUP_CAP,
+    Layout,
+    TrainConfig,
+    default_grad_accum,
+    default_warmup,
+    model_config,
+    parse_args,
+    parser,
+)
+from trainscale.train.data import global_batch, loss_floor, micro_batch, tokens_per_step
+from trainscale.train.loop import (
+    FAIL_EXIT_CODE,
+    GRAD_NORM_RTOL,
+    LOSS_RTOL,
+    _grad_norm,
+    schedule_lr,
+    train,
+)
+from trainscale.train.parallelize import (
+    Built,
+    Stage,
+    apply_context_parallel,
+    apply_fsdp,
+    apply_tensor_parallel,
+    build,
+    build_mesh,
+    fsdp_mesh,
+    split_model,
+    stage_ids,
+    stage_layers,
+    tensor_parallel_plan,
+)
+
+__all__ = [
+    "CHECKPOINT_PREFIX",
+    "DIMS",
+    "FAIL_EXIT_CODE",
+    "GRAD_NORM_RTOL",
+    "LOSS_RTOL",
+    "PP_SCHEDULES",
+    "PROG",
+    "TORCHRUN_ENVIRONMENT",
+    "WARMUP_CAP",
+    "Built",
+    "Layout",
+    "Stage",
+    "TrainConfig",
+    "TrainState",
+    "_grad_norm",
+    "apply_context_parallel",
+    "apply_fsdp",
+    "apply_tensor_parallel",
+    "build",
+    "build_mesh",
+    "checkpoint_path",
+    "complete_checkpoints",
+    "default_grad_accum",
+    "default_warmup",
+    "fsdp_mesh",
+    "global_batch",
+    "latest_checkpoint",
+    "load_latest",
+    "loss_floor",
+    "main",
+    "micro_batch",
+    "model_config",
+    "parse_args",
+    "parser",
+    "ranks_needed",
+    "runs_alone",
+    "save_checkpoint",
+    "save_final_weights",
+    "schedule_lr",
+    "split_model",
+    "stage_ids",
+    "stage_layers",
+    "tensor_parallel_plan",
+    "tokens_per_step",
+    "train",
+    "worker",
+]

@@ -1,0 +1,346 @@
+"""The capstone's command line: one declaration per flag, in :class:`TrainConfig`.
+
+Each field of :class:`TrainConfig` is one flag of ``python -m trainscale.train``
+(``micro_batch`` is ``--micro-batch``): its default is the flag's default and its
+metadata carry the flag's help. :func:`parser` builds the argument parser from the
+fields, so the two cannot disagree. :class:`Layout` is what the layout's flags
+become on a number of ranks, over a mesh of :data:`DIMS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+from trainscale import _checks
+from trainscale.transformer import GPTConfig
+
+DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+"""The device mesh's dimensions, outermost first, in torchtitan's order: pipeline
+stages, replicated data parallelism, sharded data parallelism, context
+parallelism, tensor parallelism (the innermost, whose collectives are the most
+frequent, on the ranks that are closest)."""
+
+PP_SCHEDULES = ("1f1b", "interleaved")
+"""Pipeline schedules: ``Schedule1F1B`` (one stage per rank) or
+``ScheduleInterleaved1F1B`` (``--virtual-stages`` stages per rank)."""
+
+
+PROG = "python -m trainscale.train"
+
+WARMUP_CAP = 10
+"""``--warmup``'s default never exceeds this many steps (:func:`default_warmup`)."""
+
+
+def default_warmup(steps: int) -> int:
+    """``--warmup``'s default for a run of ``steps`` optimiser steps: a tenth of the run,
+    at most :data:`WARMUP_CAP` steps, ``min(10, steps // 10)``. The default run of 100
+    steps warms up for 10, one of 20 for 2, one of fewer than 10 steps (a first try,
+    ``--steps 4``) not at all; it is always below ``steps``, as the schedule requires."""
+    n = _checks.count("steps", steps, minimum=1)
+    return min(WARMUP_CAP, n // 10)
+
+
+def default_grad_accum(pp: int | None) -> int:
+    """``--grad-accum``'s default: 1 micro-batch per step without a pipeline; with
+    ``--pp P`` > 1, ``P``, the fewest either schedule takes (1F1B needs at least one
+    micro-batch per stage, the interleaved schedule a multiple of the stages). More
+    micro-batches shrink the pipeline's bubble (chapter 7) at the price of a larger
+    global batch."""
+    stages = 1 if pp is None else _checks.count("pp", pp, minimum=1)
+    return stages
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How ``world`` ranks split the work: a size for each of :data:`DIMS`.
+
+    Their product is the number of ranks. ``dp`` (= ``dp_replicate * dp_shard``)
+    ranks see different data; the ``pp * cp * tp`` ranks of one data-parallel
+    group see the same.
+    """
+
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """The mesh's shape, in the order of :data:`DIMS`."""
+        return tuple(getattr(self, name) for name in DIMS)
+
+    @property
+    def world(self) -> int:
+        """Ranks the layout needs."""
+        return math.prod(self.sizes)
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks: how many different slices of the global batch run at once."""
+        return self.dp_replicate * self.dp_shard
+
+    def describe(self) -> str:
+        """``TP 2 x PP 2 x DP 2 (replicate 1 x shard 2)``: the layout in words."""
+        dp = f"DP {self.dp} (replicate {self.dp_replicate} x shard {self.dp_shard})"
+        cp = f" x CP {self.cp}" if self.cp > 1 else ""
+        return f"TP {self.tp} x PP {self.pp} x {dp}{cp}"
+
+
+def flag(default: Any, help: str) -> Any:
+    """A field of :class:`TrainConfig` that is also a flag: ``default``, and ``help`` for
+    ``--help`` (kept in the field's metadata, where :func:`parser` reads it)."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything one run needs, checked: built from the command line by :func:`parse_args`.
+
+    Every field is a flag (:func:`parser`). The layout's sizes that were not given
+    are ``None`` here; :meth:`layout` completes them for a number of ranks.
+    ``warmup`` and ``grad_accum`` left ``None`` take defaults that follow the other
+    flags (:func:`default_warmup`, :func:`default_grad_accum`), so every field holds a
+    number once the config is built. ``micro_batch`` is in sequences per
+    data-parallel rank and micro-step, ``lr`` in units of the AdamW update,
+    ``peak_flops`` in FLOP/s per device, ``ckpt_every`` and ``log_every`` in
+    optimiser steps.
+    """
+
+    parallel: str | None = flag(
+        None, "shorthand: ddp (--dp-replicate WORLD), fsdp (--dp-shard WORLD)"
+    )
+    tp: int | None = flag(None, "tensor-parallel ranks (with sequence parallelism)")
+    pp: int | None = flag(None, "pipeline stages (ranks)")
+    dp_replicate: int | None = flag(None, "replicated data-parallel groups (HSDP)")
+    dp_shard: int | None = flag(None, "ranks the model state is sharded over (FSDP)")
+    cp: int | None = flag(None, "context-parallel ranks (ring attention)")
+    pp_schedule: str = flag("1f1b", "1f1b or interleaved")
+    virtual_stages: int = flag(1, "model chunks per pipeline rank")
+    steps: int = flag(100, "optimiser steps in the whole run")
+    micro_batch: int = flag(8, "sequences per rank per forward pass")
+    grad_accum: int | None = flag(
+        None, "micro-batches per step (pipelined: per stage); default: 1, or --pp if --pp > 1"
+    )
+    lr: float = flag(3e-3, "peak learning rate")
+    warmup: int | None = flag(
+        None, "steps of linear warmup before cosine decay; default: min(10, --steps // 10)"
+    )
+    lr_floor: float = flag(0.1, "final learning rate, as a share of --lr")
+    weight_decay: float = flag(0.1, "AdamW's decoupled weight decay")
+    clip: float = flag(1.0, "clip the global gradient norm (0: never)")
+    bf16: bool = flag(False, "compute in bfloat16 under autocast")
+    checkpoint_activations: bool = flag(False, "recompute each block in backward")
+    seed: int = flag(0, "seeds the weights and the data")
+    vocab: int = flag(64, "vocabulary size")
+    seq_len: int = flag(32, "tokens per sequence")
+    width: int = flag(64, "model width")
+    heads: int = flag(4, "attention heads per block")
+    layers: int = flag(2, "transformer blocks")
+    strides: int = flag(4, "the data's sequences step by 1..strides")
+    log_every: int = flag(10, "print a log line every this many steps")
+    peak_flops: float | None = flag(None, "one device's peak FLOP/s, for MFU")
+    ckpt_dir: str | None = flag(None, "folder for checkpoints (none: no checkpoints)")
+    ckpt_every: int = flag(10, "save a checkpoint every this many steps")
+    keep_checkpoints: int = flag(2, "complete checkpoints kept on disk")
+    final_weights: str | None = flag(None, "rank 0 saves the full final weights here")
+    fail_at_step: int | None = flag(None, "crash during this step, first try only")
+    fail_rank: int = flag(0, "the rank that --fail-at-step crashes")
+    deterministic: bool = flag(False, "deterministic kernels (for GPUs)")
+
+    def __post_init__(self) -> None:
+        self._fill_defaults()
+        self._check_training()
+        self._check_model()
+        self._check_layout()
+
+    def _fill_defaults(self) -> None:
+        """Give ``warmup`` and ``grad_accum`` their defaults where they were not given;
+        a ``--steps`` or ``--pp`` out of range is left for the checks to name."""
+        if self.warmup is None:
+            with contextlib.suppress(ValueError):
+                object.__setattr__(self, "warmup", default_warmup(self.steps))
+        if self.grad_accum is None:
+            pipelined = isinstance(self.pp, int) and self.pp > 1
+            object.__setattr__(
+                self, "grad_accum", default_grad_accum(self.pp if pipelined else None)
+            )
+
+    def _check_training(self) -> None:
+        _checks.count("--steps", self.steps, minimum=1)
+        _checks.count("--micro-batch", self.micro_batch, minimum=1)
+        _checks.count("--grad-accum", self.grad_accum, minimum=1)
+        _checks.positive("--lr", self.lr)
+        if _checks.count("--warmup", self.warmup) >= self.steps:
+            raise ValueError(
+                f"--warmup must be in [0, --steps) = [0, {self.steps}), got {self.warmup}"
+            )
+        _checks.fraction("--lr-floor", self.lr_floor)
+        _checks.non_negative("--weight-decay", self.weight_decay)
+        _checks.non_negative("--clip", self.clip)  # 0: no clipping
+        _checks.count("--seed", self.seed)
+        _checks.count("--log-every", self.log_every, minimum=1)
+        if self.peak_flops is not None:
+            _checks.positive("--peak-flops", self.peak_flops)
+        _checks.count("--ckpt-every", self.ckpt_every, minimum=1)
+        _checks.count("--keep-checkpoints", self.keep_checkpoints, minimum=1)
+        if self.fail_at_step is not None:
+            _checks.count("--fail-at-step", self.fail_at_step, minimum=1)
+        _checks.count("--fail-rank", self.fail_rank)
+
+    def _check_model(self) -> None:
+        _checks.count("--vocab", self.vocab, minimum=2)
+        _checks.count("--seq-len", self.seq_len, minimum=1)
+        _checks.count("--heads", self.heads, minimum=1)
+        _checks.count("--layers", self.layers, minimum=1)
+        if _checks.count("--width", self.width, minimum=1) % self.heads:
+            raise ValueError(
+                f"--width must be a multiple of --heads={self.heads}, got {self.width}"
+            )
+        if not 1 <= self.strides < self.vocab:
+            raise ValueError(
+                f"--strides must be in [1, --vocab) = [1, {self.vocab}), got {self.strides}"
+            )
+
+    def _check_layout(self) -> None:
+        given = [name for name in DIMS if getattr(self, name) is not None]
+        if self.parallel is not None:
+            _checks.choice("--parallel", self.parallel, ("ddp", "fsdp"))
+            if given:
+                flag = "--" + given[0].replace("_", "-")
+                raise ValueError(
+                    f"--parallel must not be combined with {flag}: it is shorthand for "
+                    "--dp-replicate WORLD (ddp) or --dp-shard WORLD (fsdp)"
+                )
+        for name in given:
+            _checks.count("--" + name.replace("_", "-"), getattr(self, name), minimum=1)
+        _checks.choice("--pp-schedule", self.pp_schedule, PP_SCHEDULES)
+        v = _checks.count("--virtual-stages", self.virtual_stages, minimum=1)
+        if self.pp_schedule == "1f1b" and v != 1:
+            raise ValueError(f"--virtual-stages must be 1 with --pp-schedule 1f1b, got {v}")
+        if self.pp_schedule == "interleaved" and v < 2:
+            raise ValueError(
+                f"--virtual-stages must be >= 2 with --pp-schedule interleaved, got {v}"
+            )
+        tp, pp, cp = (getattr(self, name) or 1 for name in ("tp", "pp", "cp"))
+        if self.layers % (pp * v):
+            raise ValueError(
+                f"--layers must be a multiple of --pp x --virtual-stages = {pp * v}, "
+                f"got {self.layers}"
+            )
+        if self.heads % tp:
+            raise ValueError(f"--heads must be a multiple of --tp={tp}, got {self.heads}")
+        if self.seq_len % (cp * tp):
+            raise ValueError(
+                f"--seq-len must be a multiple of --cp x --tp = {cp * tp} (context and "
+                f"sequence parallelism split it), got {self.seq_len}"
+            )
+        if v > 1 and pp < 2:
+            raise ValueError(f"--pp must be >= 2 with --pp-schedule interleaved, got {pp}")
+        if pp > 1 and v == 1 and self.grad_accum < pp:
+            raise ValueError(
+                f"--grad-accum must be >= --pp={pp} for 1F1B (it is the number of "
+                f"micro-batches in the pipeline), got {self.grad_accum}"
+            )
+        if v > 1 and self.grad_accum % pp:
+            raise ValueError(
+                f"--grad-accum must be a multiple of --pp={pp} for the interleaved "
+                f"schedule (it is the number of micro-batches in the pipeline), "
+                f"got {self.grad_accum}"
+            )
+
+    def layout(self, world_size: int) -> Layout:
+        """The layout on ``world_size`` ranks; raises ``ValueError`` if the sizes'
+        product is not ``world_size``. Sizes not given are 1, except that with no
+        size given at all (or ``--parallel``) the ranks do data parallelism."""
+        world = _checks.count("world_size", world_size, minimum=1)
+        sizes = {name: getattr(self, name) for name in DIMS}
+        parallel = self.parallel
+        if parallel is None and all(size is None for size in sizes.values()):
+            parallel = "ddp"
+        if parallel is not None:
+            sizes["dp_replicate" if parallel == "ddp" else "dp_shard"] = world
+        layout = Layout(**{name: size or 1 for name, size in sizes.items()})
+        if layout.world != world:
+            flags = " x ".join(
+                f"--{n.replace('_', '-')} {s}" for n, s in zip(DIMS, layout.sizes, strict=True)
+            )
+            raise ValueError(
+                f"the layout's sizes must multiply to the number of ranks, {world}: "
+                f"got {flags} = {layout.world}"
+            )
+        return layout
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line, ``prog: error: message``: the
+    usage of 34 flags would bury it (``--help`` shows them)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")
+
+
+FLAG_TYPES = {"int": int, "float": float, "str": None}
+"""The value a flag converts its text to, by its field's annotation (``int | None``
+reads as ``int``); ``bool`` fields are switches (``store_true``)."""
+
+
+def _flag_type(annotation: str) -> type | None:
+    """The converter for a field annotated ``annotation`` (a string, as
+    ``from __future__ import annotations`` leaves it)."""
+    kind = annotation.replace(" | None", "")
+    if kind not in FLAG_TYPES:
+        raise ValueError(f"annotation must be one of {tuple(FLAG_TYPES)} or bool, got {kind!r}")
+    return FLAG_TYPES[kind]
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m trainscale.train``: under ``torchrun`` (or
+    ``python -m trainscale.launch``), or alone as one process. One flag per field of
+    :class:`TrainConfig`, in its order, with the field's default and help."""
+    p = _Parser(
+        prog=PROG,
+        description=(
+            "Train a small GPT on synthetic data, restartably: one process when run alone,"
+            " or as many as python -m trainscale.launch (or torchrun) starts."
+        ),
+    )
+    for field in dataclasses.fields(TrainConfig):
+        name = "--" + field.name.replace("_", "-")
+        options: dict[str, Any] = {"default": field.default, "help": field.metadata["help"]}
+        if field.type == "bool":
+            p.add_argument(name, action="store_true", **options)
+            continue
+        converter = _flag_type(str(field.type))
+        if converter is not None:
+            options["type"] = converter
+        p.add_argument(name, **options)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> TrainConfig:
+    """Parse and check the command line; a bad value raises ``ValueError`` naming it."""
+    return TrainConfig(**vars(parser().parse_args(argv)))
+
+
+def model_config(config: TrainConfig) -> GPTConfig:
+    """The model the arguments describe: fused attention (``scaled_dot_product_attention``),
+    an untied head, the ``qkv`` matrix stored head by head (so tensor parallelism
+    splits it into whole heads), no dropout, and each block recomputed in backward
+    if ``--checkpoint-activations``."""
+    return GPTConfig(
+        vocab=config.vocab,
+        context=config.seq_len,
+        d_model=config.width,
+        layers=config.layers,
+        heads=config.heads,
+        tied=False,
+        attention="sdpa",
+        recompute="full" if config.checkpoint_activations else "none",
+        qkv_layout="by_head",
+    )
