@@ -63,6 +63,7 @@ planner is given to its command line: a module may import only those before it (
 package's ``__init__`` re-exports the model for chapter 13; the command line builds on it)."""
 
 TRAIN_ORDER: tuple[str, ...] = (
+    "train.shapes",
     "train.config",
     "train.data",
     "train.parallelize",
@@ -72,9 +73,10 @@ TRAIN_ORDER: tuple[str, ...] = (
     "train.__init__",
     "train.__main__",
 )
-"""The capstone's package in torchtitan's split by concern, inner layers first: the flags
-and the layout, the data, the parallelisms, the checkpoints, the loop, the command line;
-the package's ``__init__`` re-exports them and ``__main__`` runs the command line."""
+"""The capstone's package in torchtitan's split by concern, inner layers first: the model
+shapes, the flags and the layout, the data, the parallelisms, the checkpoints, the loop,
+the command line; the package's ``__init__`` re-exports them and ``__main__`` runs the
+command line."""
 
 PACKAGE_ORDERS = {"planner": PLANNER_ORDER, "train": TRAIN_ORDER}
 """The packages whose modules keep an order, by package."""

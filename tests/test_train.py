@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from trainscale import schedule, train
 from trainscale.distributed import RankError, run_ranks
-from trainscale.transformer import GPTConfig, gpt
+from trainscale.transformer import GPTConfig, gpt, parameter_counts
 
 # --------------------------------------------------------------------------- the data
 
@@ -137,11 +137,84 @@ def test_the_model_is_the_books_decoder_with_fused_attention_and_an_untied_head(
         tied=False,
         attention="sdpa",
         qkv_layout="by_head",
+        kv_heads=4,  # as many as heads: the same modules, the same weights as kv_heads=0
+        d_ff=256,
     )
     flags = ["--width", "48", "--heads", "3", "--seq-len", "8", "--checkpoint-activations"]
     config = train.model_config(train.parse_args(flags))
     assert (config.d_model, config.heads, config.context) == (48, 3, 8)
     assert config.recompute == "full"
+
+
+def test_each_preset_has_the_planners_shape_and_parameter_count():
+    from trainscale.planner import LLAMA3
+    from trainscale.planner.arguments import MODEL_PRESETS
+    from trainscale.planner.inputs import shape_params
+
+    # The same names as the planner's presets, each Llama 3's shape (the planner's
+    # mixtral-8x7b has experts, which the capstone does not run).
+    assert set(train.MODEL_PRESETS) == {name for name in MODEL_PRESETS if "llama" in name}
+    for name, (_, planned, _) in MODEL_PRESETS.items():
+        if name not in train.MODEL_PRESETS:
+            continue
+        config = train.model_config(train.parse_args(["--model", name]))
+        shape = (config.layers, config.d_model, config.heads, config.kv_heads, config.d_ff)
+        assert shape == (
+            planned.layers,
+            planned.hidden,
+            planned.heads,
+            planned.kv_heads,
+            planned.ffn_hidden,
+        )
+        assert (config.vocab, config.context, config.mlp, config.tied) == (
+            planned.vocab,
+            planned.seq_len,
+            "swiglu",
+            False,
+        )
+        counted = sum(parameter_counts(config).values())
+        assert counted == shape_params(
+            config.layers,
+            config.d_model,
+            config.heads,
+            config.vocab,
+            kv_heads=config.kv_heads,
+            ffn_hidden=config.d_ff,
+            gated_mlp=True,
+            norms=True,
+        )
+        assert counted == planned.params  # the model cards' counts (planner.LLAMA3)
+    assert (
+        sum(
+            parameter_counts(
+                train.model_config(train.parse_args(["--model", "llama-3-8b"]))
+            ).values()
+        )
+        == 8_030_261_248
+    )
+    assert LLAMA3["70B"].params == 70_553_706_496
+
+
+def test_shape_flags_override_a_preset_and_compose_with_the_defaults():
+    small = train.parse_args(["--model", "llama-3-8b", "--layers", "2", "--seq-len", "32"])
+    assert (small.layers, small.seq_len, small.width, small.kv_heads) == (2, 32, 4096, 8)
+    assert (small.norm, small.position, small.bias, small.rope_theta) == (
+        "rmsnorm",
+        "rope",
+        False,
+        500_000.0,
+    )
+    plain = train.parse_args(["--width", "32", "--heads", "2"])
+    assert (plain.kv_heads, plain.ffn, plain.mlp, plain.bias, plain.tied) == (
+        2,
+        128,
+        "gelu",
+        True,
+        False,
+    )
+    switched = train.parse_args(["--mlp", "swiglu", "--no-bias", "--tied", "--kv-heads", "2"])
+    config = train.model_config(switched)
+    assert (config.mlp, config.bias, config.tied, config.kv_heads) == ("swiglu", False, True, 2)
 
 
 def _parameter_names(*flags: str) -> list[str]:
@@ -249,6 +322,16 @@ def test_the_defaults_are_valid():
         ),
         (["--cp", "0"], "--cp"),
         (["--cp", "4", "--tp", "2", "--seq-len", "36"], "--seq-len"),
+        (["--model", "mixtral-8x7b"], "--model"),
+        (["--kv-heads", "3"], "--kv-heads"),
+        (["--kv-heads", "2", "--tp", "4"], "--kv-heads"),
+        (["--mlp", "relu"], "--mlp"),
+        (["--norm", "batchnorm"], "--norm"),
+        (["--position", "alibi"], "--position"),
+        (["--rope-theta", "0"], "--rope-theta"),
+        (["--position", "rope", "--width", "12", "--heads", "4"], "--width / --heads"),
+        (["--ffn", "0"], "--ffn"),
+        (["--tied", "--pp", "2"], "--tied"),
     ],
 )
 def test_bad_flags_are_named(argv, flag):
@@ -262,11 +345,12 @@ def test_every_flag_is_declared_once_as_a_field_with_its_default_and_help():
     assert list(actions) == [f.name for f in fields]  # one flag per field, in its order
     for field in fields:
         action = actions[field.name]
-        assert action.option_strings == ["--" + field.name.replace("_", "-")]
+        assert action.option_strings[0] == "--" + field.name.replace("_", "-")
         assert action.default == field.default and action.help == field.metadata["help"]
         assert action.help  # every flag says what it does
     assert actions["tp"].type is int and actions["lr"].type is float
     assert actions["ckpt_dir"].type is None and actions["bf16"].const is True  # a switch
+    assert actions["bias"].option_strings[-1] == "--no-bias"  # --bias / --no-bias, or None
     assert train.parse_args([]) == train.TrainConfig()  # the same defaults either way
 
 

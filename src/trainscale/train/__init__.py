@@ -116,13 +116,16 @@ from trainscale.train.parallelize import (
     stage_layers,
     tensor_parallel_plan,
 )
+from trainscale.train.shapes import GPT_SHAPE, MODEL_PRESETS
 
 __all__ = [
     "CHECKPOINT_PREFIX",
     "DIMS",
     "FAIL_EXIT_CODE",
+    "GPT_SHAPE",
     "GRAD_NORM_RTOL",
     "LOSS_RTOL",
+    "MODEL_PRESETS",
     "PP_SCHEDULES",
     "PROG",
     "TORCHRUN_ENVIRONMENT",

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from trainscale import _checks
-from trainscale.transformer import GPTConfig
+from trainscale.train.shapes import GPT_SHAPE, MODEL_PRESETS
+from trainscale.transformer import MLPS, NORMS, POSITIONS, GPTConfig
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 """The device mesh's dimensions, outermost first, in torchtitan's order: pipeline
@@ -137,11 +138,22 @@ class TrainConfig:
     bf16: bool = flag(False, "compute in bfloat16 under autocast")
     checkpoint_activations: bool = flag(False, "recompute each block in backward")
     seed: int = flag(0, "seeds the weights and the data")
-    vocab: int = flag(64, "vocabulary size")
-    seq_len: int = flag(32, "tokens per sequence")
-    width: int = flag(64, "model width")
-    heads: int = flag(4, "attention heads per block")
-    layers: int = flag(2, "transformer blocks")
+    model: str | None = flag(
+        None, f"a model's shape, one of {', '.join(MODEL_PRESETS)}; shape flags override it"
+    )
+    vocab: int | None = flag(None, "vocabulary size (default 64)")
+    seq_len: int | None = flag(None, "tokens per sequence (default 32)")
+    width: int | None = flag(None, "model width (default 64)")
+    heads: int | None = flag(None, "attention heads per block (default 4)")
+    layers: int | None = flag(None, "transformer blocks (default 2)")
+    kv_heads: int | None = flag(None, "key-value heads per block (default: --heads)")
+    ffn: int | None = flag(None, "the MLP's hidden width (default: 4 x --width)")
+    mlp: str | None = flag(None, f"the MLP, one of {', '.join(MLPS)} (default gelu)")
+    norm: str | None = flag(None, f"the norms, one of {', '.join(NORMS)} (default layernorm)")
+    position: str | None = flag(None, f"positions, one of {', '.join(POSITIONS)} (default learned)")
+    rope_theta: float | None = flag(None, "rotary embeddings' base (default 10000)")
+    bias: bool | None = flag(None, "biases in the linear layers (default: yes)")
+    tied: bool | None = flag(None, "the head reuses the token embedding (default: no)")
     strides: int = flag(4, "the data's sequences step by 1..strides")
     log_every: int = flag(10, "print a log line every this many steps")
     peak_flops: float | None = flag(None, "one device's peak FLOP/s, for MFU")
@@ -160,8 +172,20 @@ class TrainConfig:
         self._check_layout()
 
     def _fill_defaults(self) -> None:
-        """Give ``warmup`` and ``grad_accum`` their defaults where they were not given;
-        a ``--steps`` or ``--pp`` out of range is left for the checks to name."""
+        """Give ``warmup`` and ``grad_accum`` their defaults where they were not given,
+        and the shape flags theirs (:data:`GPT_SHAPE`, or ``--model``'s preset); a
+        ``--steps`` or ``--pp`` out of range is left for the checks to name."""
+        shape = dict(GPT_SHAPE)
+        if self.model is not None:
+            _checks.choice("--model", self.model, tuple(MODEL_PRESETS))
+            shape.update(MODEL_PRESETS[self.model])
+        for name, value in shape.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
+        if self.kv_heads is None:
+            object.__setattr__(self, "kv_heads", self.heads)
+        if self.ffn is None and isinstance(self.width, int):
+            object.__setattr__(self, "ffn", 4 * self.width)
         if self.warmup is None:
             with contextlib.suppress(ValueError):
                 object.__setattr__(self, "warmup", default_warmup(self.steps))
@@ -202,6 +226,18 @@ class TrainConfig:
             raise ValueError(
                 f"--width must be a multiple of --heads={self.heads}, got {self.width}"
             )
+        if self.heads % _checks.count("--kv-heads", self.kv_heads, minimum=1):
+            raise ValueError(f"--kv-heads must divide --heads={self.heads}, got {self.kv_heads}")
+        _checks.count("--ffn", self.ffn, minimum=1)
+        _checks.choice("--mlp", self.mlp, MLPS)
+        _checks.choice("--norm", self.norm, NORMS)
+        _checks.choice("--position", self.position, POSITIONS)
+        _checks.positive("--rope-theta", self.rope_theta)
+        if self.position == "rope" and (self.width // self.heads) % 2:
+            raise ValueError(
+                "--width / --heads must be even with --position rope, got "
+                f"{self.width // self.heads}"
+            )
         if not 1 <= self.strides < self.vocab:
             raise ValueError(
                 f"--strides must be in [1, --vocab) = [1, {self.vocab}), got {self.strides}"
@@ -235,6 +271,16 @@ class TrainConfig:
             )
         if self.heads % tp:
             raise ValueError(f"--heads must be a multiple of --tp={tp}, got {self.heads}")
+        if self.kv_heads % tp:
+            raise ValueError(
+                f"--kv-heads must be a multiple of --tp={tp} (each rank holds whole groups of "
+                f"heads), got {self.kv_heads}"
+            )
+        if self.tied and (tp > 1 or pp > 1):
+            raise ValueError(
+                "--tied must not be combined with --tp or --pp > 1: the embedding and the "
+                "head it would share sit on different stages, or split differently"
+            )
         if self.seq_len % (cp * tp):
             raise ValueError(
                 f"--seq-len must be a multiple of --cp x --tp = {cp * tp} (context and "
@@ -316,6 +362,9 @@ def parser() -> argparse.ArgumentParser:
         if field.type == "bool":
             p.add_argument(name, action="store_true", **options)
             continue
+        if field.type == "bool | None":  # --bias / --no-bias, None if neither is given
+            p.add_argument(name, action=argparse.BooleanOptionalAction, **options)
+            continue
         converter = _flag_type(str(field.type))
         if converter is not None:
             options["type"] = converter
@@ -329,18 +378,26 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
 
 
 def model_config(config: TrainConfig) -> GPTConfig:
-    """The model the arguments describe: fused attention (``scaled_dot_product_attention``),
-    an untied head, the ``qkv`` matrix stored head by head (so tensor parallelism
-    splits it into whole heads), no dropout, and each block recomputed in backward
-    if ``--checkpoint-activations``."""
+    """The model the arguments describe: its shape (``--model`` or the shape flags),
+    fused attention (``scaled_dot_product_attention``), the ``qkv`` matrix stored
+    head by head (so tensor parallelism splits it into whole heads, or whole groups
+    of heads), no dropout, and each block recomputed in backward if
+    ``--checkpoint-activations``."""
     return GPTConfig(
         vocab=config.vocab,
         context=config.seq_len,
         d_model=config.width,
         layers=config.layers,
         heads=config.heads,
-        tied=False,
+        d_ff=config.ffn,
+        tied=config.tied,
         attention="sdpa",
         recompute="full" if config.checkpoint_activations else "none",
         qkv_layout="by_head",
+        kv_heads=config.kv_heads,
+        mlp=config.mlp,
+        norm=config.norm,
+        position=config.position,
+        rope_theta=config.rope_theta,
+        bias=config.bias,
     )

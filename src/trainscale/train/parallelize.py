@@ -19,7 +19,7 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from trainscale.train.config import DIMS, Layout, TrainConfig, model_config
-from trainscale.transformer import GPT, gpt
+from trainscale.transformer import GPT, GPTConfig, gpt
 from trainscale.workers.tensor_parallel import block_plan
 
 
@@ -72,7 +72,9 @@ class Stage(torch.nn.Module):
         if self.token_embedding is not None:  # token ids -> (batch, seq, d_model)
             first = self.first_position
             positions = torch.arange(first, first + x.shape[-1], device=x.device)
-            x = self.token_embedding(x) + self.position_embedding(positions)
+            x = self.token_embedding(x)
+            if self.position_embedding is not None:  # rotary embeddings act in attention
+                x = x + self.position_embedding(positions)
         recompute = self.config.recompute == "full" and torch.is_grad_enabled()
         if self.tp_mesh is not None:  # whole -> this rank's sequence positions
             x = _relayout(x, self.tp_mesh, Replicate(), Shard(1))
@@ -100,7 +102,7 @@ def split_model(model: GPT, stages: list[int], total: int) -> list[Stage]:
     ]
 
 
-def tensor_parallel_plan() -> dict[str, ParallelStyle]:
+def tensor_parallel_plan(config: GPTConfig) -> dict[str, ParallelStyle]:
     """Megatron-style tensor parallelism of one block, with sequence parallelism: chapter
     06's plan (:func:`trainscale.workers.tensor_parallel.block_plan`) on the names of the
     book's decoder block.
@@ -108,14 +110,16 @@ def tensor_parallel_plan() -> dict[str, ParallelStyle]:
     Between the matrix products the block's activations are split by sequence
     position (``Shard(1)``): the layer norms run on each rank's positions. Before
     attention and the MLP they are all-gathered; ``qkv`` and the MLP's first
-    matrix are split by output columns (whole heads: the ``qkv`` rows are stored
-    head by head), ``proj`` and the MLP's second matrix by input rows, and
+    matrix (SwiGLU's ``gate`` and ``up``) are split by output columns (whole heads,
+    or whole groups of query heads with their key and value: the ``qkv`` rows are
+    stored head by head), ``proj`` and the MLP's last matrix by input rows, and
     their partial sums are reduce-scattered back to positions.
     """
+    gated = config.mlp == "swiglu"
     return block_plan(
         sequence_parallel=True,
         attention=("attention", ("qkv",), "proj"),
-        mlp=("mlp", ("0",), "2"),
+        mlp=("mlp", ("gate", "up"), "down") if gated else ("mlp", ("0",), "2"),
         norms=("norm1", "norm2"),
     )
 
@@ -128,7 +132,7 @@ def apply_tensor_parallel(part: Stage, tp_mesh: DeviceMesh) -> None:
     tensor-parallel rank computes them whole, on the same data.
     """
     for block in part.blocks.values():
-        parallelize_module(block, tp_mesh, tensor_parallel_plan())
+        parallelize_module(block, tp_mesh, tensor_parallel_plan(part.config))
     part.tp_mesh = tp_mesh
 
 
@@ -140,9 +144,11 @@ def apply_context_parallel(part: Stage, mesh: DeviceMesh, tokens_per_rank: int) 
     from trainscale.workers.context import ring_attention  # only context parallelism needs it
 
     ring = functools.partial(ring_attention, group=mesh.get_group("cp"), causal=True)
+    first = mesh.get_local_rank("cp") * tokens_per_rank
     for block in part.blocks.values():
         block.attention.attend_fn = ring
-    part.first_position = mesh.get_local_rank("cp") * tokens_per_rank
+        block.attention.positions = torch.arange(first, first + tokens_per_rank)
+    part.first_position = first
 
 
 def fsdp_mesh(mesh: DeviceMesh, layout: Layout) -> DeviceMesh:
