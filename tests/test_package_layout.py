@@ -66,6 +66,8 @@ TRAIN_ORDER: tuple[str, ...] = (
     "train.shapes",
     "train.config",
     "train.data",
+    "train.parity",
+    "train.stages",
     "train.parallelize",
     "train.checkpoints",
     "train.loop",
@@ -74,9 +76,9 @@ TRAIN_ORDER: tuple[str, ...] = (
     "train.__main__",
 )
 """The capstone's package in torchtitan's split by concern, inner layers first: the model
-shapes, the flags and the layout, the data, the parallelisms, the checkpoints, the loop,
-the command line; the package's ``__init__`` re-exports them and ``__main__`` runs the
-command line."""
+shapes, the flags and the layout, the data, parity, the stages on the meta device, the
+parallelisms, the checkpoints, the loop, the command line; the package's ``__init__``
+re-exports them and ``__main__`` runs the command line."""
 
 PACKAGE_ORDERS = {"planner": PLANNER_ORDER, "train": TRAIN_ORDER}
 """The packages whose modules keep an order, by package."""

@@ -1,27 +1,39 @@
 """The capstone of chapters 13 and 16: a small GPT trained on any layout, restartably.
 
 The model is the book's decoder (:mod:`trainscale.transformer`) with fused
-attention and an untied head. One script puts the book's techniques together,
-composed as torchtitan composes them, over one ``DeviceMesh`` whose dimensions
-are ``["pp", "dp_replicate", "dp_shard", "cp", "tp"]``:
+attention and an untied head: a tiny GPT-2 by default, or Llama-shaped
+(``--model llama-3-70b``, or the shape flags: ``--kv-heads``, ``--mlp swiglu``,
+``--norm rmsnorm``, ``--position rope``, ``--no-bias``). Each rank builds only its
+pipeline stages, on the meta device; the parallelisms are applied to them; then
+they get memory and each rank draws its own shards of the weights, every parameter
+from a generator seeded by the run's seed and its name, so that any layout starts
+from one process's weights (:mod:`trainscale.train.stages`). One script puts the
+book's techniques together, composed as torchtitan composes them, over one
+``DeviceMesh`` whose dimensions are ``["pp", "dp_replicate", "dp_shard", "cp", "tp"]``:
 
 * pipeline parallelism (``--pp``): the decoder split by layers into stages
   (the first holds the embeddings, the last the final norm and head), run by
   ``torch.distributed.pipelining`` with ``Schedule1F1B`` or
   ``ScheduleInterleaved1F1B`` (``--pp-schedule``, ``--virtual-stages``);
 * tensor parallelism with sequence parallelism (``--tp``) on each stage's
-  blocks (DTensor ``parallelize_module``), then activation checkpointing
-  (``--checkpoint-activations``);
-* context parallelism (``--cp``): each sequence split over the ``cp`` ranks,
-  attention computed as ring attention (chapter 14,
-  :func:`trainscale.workers.context.ring_attention`);
+  blocks (DTensor ``parallelize_module``, chapter 06's plan), the embedding and
+  head split by vocabulary and the loss taken on split logits (``loss_parallel``),
+  then recomputation (``--recompute selective``, torch's selective activation
+  checkpointing, or ``full``);
+* context parallelism (``--cp``): each sequence split zig-zag over the ``cp``
+  ranks, attention computed as ring attention (chapter 14,
+  :func:`trainscale.workers.context.ring_attention`); on GPUs, torch's
+  ``context_parallel`` (untested here);
 * FSDP2's ``fully_shard`` over the data-parallel ranks (``--dp-shard``, and the
-  ``cp`` ranks with them, whose gradients are averaged too), HSDP when
+  ``cp`` ranks with them, whose gradients are averaged too; ``--zero 1`` or ``2``
+  keeps the gathered weights from forward to backward), HSDP when
   ``--dp-replicate`` > 1; ``--parallel ddp`` and ``--parallel fsdp`` are
   shorthand for ``--dp-replicate WORLD`` and ``--dp-shard WORLD``;
 
-and bf16 autocast, gradient accumulation (the pipeline's micro-batches under
-``--pp``), warmup plus cosine decay, global-norm clipping, a log of loss,
+and bf16 (FSDP2's ``MixedPrecisionPolicy`` on GPUs, autocast on the CPU), gradient
+accumulation that reduce-scatters every micro-batch (the pipeline's micro-batches
+under ``--pp``; ``--global-batch`` fixes the sequences per step whatever the
+layout), warmup plus cosine decay, global-norm clipping, a log of loss,
 gradient norm, learning rate, throughput and MFU, and checkpoints it resumes
 from after a crash, on the same layout or another. Eight CPU processes on a
 laptop (gloo), started by the package's launcher, which keeps every listening
@@ -54,7 +66,11 @@ What makes a restart exact:
   reading the pieces it needs. ``torch.distributed.checkpoint`` writes each rank's shards in
   parallel; the folder is renamed to its final name only once every rank has
   finished, so a crash mid-save leaves no checkpoint that looks complete;
-* the model has no dropout and the same seed initialises it on every rank.
+* the model has no dropout and the same seed initialises it in every layout.
+
+:mod:`trainscale.train.parity` checks a layout against one process on every final
+weight and both of Adam's moments (``--final-weights``), within a tolerance
+measured from float32's order of additions.
 
 ``--fail-at-step K --fail-rank R`` makes rank ``R`` exit abruptly in the middle
 of step ``K`` (counted from 0), on the first attempt only: ``torchrun`` counts
@@ -62,15 +78,20 @@ its restarts in ``TORCHELASTIC_RESTART_COUNT``. With ``--max-restarts=1``,
 torchrun then stops the other ranks, starts them all again, and the run resumes
 from its latest complete checkpoint.
 
-The package, in torchtitan's split by concern: :mod:`~trainscale.train.config` (the
-flags, declared once, and the layout), :mod:`~trainscale.train.data`,
-:mod:`~trainscale.train.parallelize` (mesh, stages, TP, CP, FSDP2, the pipeline
-schedule), :mod:`~trainscale.train.checkpoints`, :mod:`~trainscale.train.loop` and
-:mod:`~trainscale.train.cli` (``worker`` and ``main``); their names are re-exported here.
+The package, in torchtitan's split by concern: :mod:`~trainscale.train.shapes` (the
+model presets), :mod:`~trainscale.train.config` (the flags, declared once, and the
+layout), :mod:`~trainscale.train.data`, :mod:`~trainscale.train.parity`,
+:mod:`~trainscale.train.stages` (the model on the meta device, and its weights shard
+by shard), :mod:`~trainscale.train.parallelize` (TP, CP, recomputation, FSDP2, the
+pipeline schedule), :mod:`~trainscale.train.checkpoints`, :mod:`~trainscale.train.loop`
+and :mod:`~trainscale.train.cli` (``worker`` and ``main``); their names are
+re-exported here.
 """
 
+from trainscale.train import parity
 from trainscale.train.checkpoints import (
     CHECKPOINT_PREFIX,
+    FINAL_MOMENTS,
     TrainState,
     checkpoint_path,
     complete_checkpoints,
@@ -99,35 +120,52 @@ from trainscale.train.loop import (
     GRAD_NORM_RTOL,
     LOSS_RTOL,
     _grad_norm,
+    gradient_bytes,
     schedule_lr,
     train,
 )
 from trainscale.train.parallelize import (
+    SAVED_OPS,
     Built,
-    Stage,
     apply_context_parallel,
     apply_fsdp,
+    apply_recomputation,
     apply_tensor_parallel,
     build,
-    build_mesh,
     fsdp_mesh,
+    loss_parallel,
+    mixed_precision,
+    reshard_after_forward,
+    stage_plan,
+    tensor_parallel_plan,
+)
+from trainscale.train.shapes import GPT_SHAPE, MODEL_PRESETS, RECOMPUTE
+from trainscale.train.stages import (
+    Stage,
+    build_mesh,
+    full_parameter,
+    init_stage,
+    materialise,
+    meta_stages,
+    parameter_seed,
     split_model,
     stage_ids,
     stage_layers,
-    tensor_parallel_plan,
 )
-from trainscale.train.shapes import GPT_SHAPE, MODEL_PRESETS
 
 __all__ = [
     "CHECKPOINT_PREFIX",
     "DIMS",
     "FAIL_EXIT_CODE",
+    "FINAL_MOMENTS",
     "GPT_SHAPE",
     "GRAD_NORM_RTOL",
     "LOSS_RTOL",
     "MODEL_PRESETS",
     "PP_SCHEDULES",
     "PROG",
+    "RECOMPUTE",
+    "SAVED_OPS",
     "TORCHRUN_ENVIRONMENT",
     "WARMUP_CAP",
     "Built",
@@ -138,6 +176,7 @@ __all__ = [
     "_grad_norm",
     "apply_context_parallel",
     "apply_fsdp",
+    "apply_recomputation",
     "apply_tensor_parallel",
     "build",
     "build_mesh",
@@ -146,16 +185,26 @@ __all__ = [
     "default_grad_accum",
     "default_warmup",
     "fsdp_mesh",
+    "full_parameter",
     "global_batch",
+    "gradient_bytes",
+    "init_stage",
     "latest_checkpoint",
     "load_latest",
     "loss_floor",
+    "loss_parallel",
     "main",
+    "materialise",
+    "meta_stages",
     "micro_batch",
+    "mixed_precision",
     "model_config",
+    "parameter_seed",
+    "parity",
     "parse_args",
     "parser",
     "ranks_needed",
+    "reshard_after_forward",
     "runs_alone",
     "save_checkpoint",
     "save_final_weights",
@@ -163,6 +212,7 @@ __all__ = [
     "split_model",
     "stage_ids",
     "stage_layers",
+    "stage_plan",
     "tensor_parallel_plan",
     "tokens_per_step",
     "train",

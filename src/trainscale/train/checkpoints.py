@@ -20,14 +20,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_model_state_dict,
     get_state_dict,
     set_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
 from trainscale import _checks
-from trainscale.transformer import gpt
+from trainscale.transformer import GPT
 
 if TYPE_CHECKING:
     from trainscale.train.parallelize import Built
@@ -153,10 +152,17 @@ def load_latest(state: TrainState, folder: str | os.PathLike | None) -> int | No
     return step
 
 
+FINAL_MOMENTS = ("exp_avg", "exp_avg_sq")
+"""The optimiser state :func:`save_final_weights` writes beside the weights: Adam's two
+moments of every parameter."""
+
+
 def save_final_weights(built: Built, path: str | os.PathLike) -> None:
-    """Gather the full weights (every rank calls this) and let rank 0 save them with
-    ``torch.save``, under the unsplit model's parameter names, in its order."""
-    options = StateDictOptions(full_state_dict=True)
+    """Gather the full final state (every rank calls this) and let rank 0 save it with
+    ``torch.save``: every weight under the unsplit model's parameter name, in its
+    order, then Adam's moments of each, ``state.<name>.exp_avg`` and
+    ``state.<name>.exp_avg_sq`` (:data:`FINAL_MOMENTS`), in the same order."""
+    options = StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=True)
     weights: dict[str, torch.Tensor] = {}
     # Gathering a tensor sharded by both FSDP and TP takes two all-gathers, and
     # torch logs a warning that says so: expected here, and no concern for a save.
@@ -164,9 +170,16 @@ def save_final_weights(built: Built, path: str | os.PathLike) -> None:
     level = redistribute_log.level
     redistribute_log.setLevel(logging.ERROR)
     try:
-        for part in built.parts:
-            full = get_model_state_dict(part, options=options)
-            weights.update({name: t.detach().cpu() for name, t in full.items()})
+        for part, optimizer in zip(built.parts, built.optimizers, strict=True):
+            model, moments = get_state_dict(part, optimizer, options=options)
+            weights.update({name: t.detach().cpu() for name, t in model.items()})
+            weights.update(
+                {
+                    name: t.detach().cpu()
+                    for name, t in moments.items()
+                    if name.startswith("state.") and name.endswith(FINAL_MOMENTS)
+                }
+            )
     finally:
         redistribute_log.setLevel(level)
     c = built.coordinate
@@ -175,7 +188,9 @@ def save_final_weights(built: Built, path: str | os.PathLike) -> None:
     dist.gather_object(mine, pieces, dst=0)
     if dist.get_rank() == 0:
         merged = {name: t for piece in pieces for name, t in piece.items()}
-        order = [name for name, _ in gpt(built.parts[0].config).named_parameters()]
+        with torch.device("meta"):
+            names = [name for name, _ in GPT(built.parts[0].config).named_parameters()]
+        order = [*names, *(f"state.{n}.{m}" for m in FINAL_MOMENTS for n in names)]
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
         scratch = target.with_name(target.name + ".partial")

@@ -12,24 +12,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from trainscale import _checks
-from trainscale.train.shapes import GPT_SHAPE, MODEL_PRESETS
+from trainscale.train.shapes import DIMS, GPT_SHAPE, MODEL_PRESETS, PP_SCHEDULES, RECOMPUTE, Layout
 from trainscale.transformer import MLPS, NORMS, POSITIONS, GPTConfig
-
-DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-"""The device mesh's dimensions, outermost first, in torchtitan's order: pipeline
-stages, replicated data parallelism, sharded data parallelism, context
-parallelism, tensor parallelism (the innermost, whose collectives are the most
-frequent, on the ranks that are closest)."""
-
-PP_SCHEDULES = ("1f1b", "interleaved")
-"""Pipeline schedules: ``Schedule1F1B`` (one stage per rank) or
-``ScheduleInterleaved1F1B`` (``--virtual-stages`` stages per rank)."""
-
 
 PROG = "python -m trainscale.train"
 
@@ -54,43 +42,6 @@ def default_grad_accum(pp: int | None) -> int:
     global batch."""
     stages = 1 if pp is None else _checks.count("pp", pp, minimum=1)
     return stages
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How ``world`` ranks split the work: a size for each of :data:`DIMS`.
-
-    Their product is the number of ranks. ``dp`` (= ``dp_replicate * dp_shard``)
-    ranks see different data; the ``pp * cp * tp`` ranks of one data-parallel
-    group see the same.
-    """
-
-    pp: int = 1
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    cp: int = 1
-    tp: int = 1
-
-    @property
-    def sizes(self) -> tuple[int, ...]:
-        """The mesh's shape, in the order of :data:`DIMS`."""
-        return tuple(getattr(self, name) for name in DIMS)
-
-    @property
-    def world(self) -> int:
-        """Ranks the layout needs."""
-        return math.prod(self.sizes)
-
-    @property
-    def dp(self) -> int:
-        """Data-parallel ranks: how many different slices of the global batch run at once."""
-        return self.dp_replicate * self.dp_shard
-
-    def describe(self) -> str:
-        """``TP 2 x PP 2 x DP 2 (replicate 1 x shard 2)``: the layout in words."""
-        dp = f"DP {self.dp} (replicate {self.dp_replicate} x shard {self.dp_shard})"
-        cp = f" x CP {self.cp}" if self.cp > 1 else ""
-        return f"TP {self.tp} x PP {self.pp} x {dp}{cp}"
 
 
 def flag(default: Any, help: str) -> Any:
@@ -126,7 +77,14 @@ class TrainConfig:
     steps: int = flag(100, "optimiser steps in the whole run")
     micro_batch: int = flag(8, "sequences per rank per forward pass")
     grad_accum: int | None = flag(
-        None, "micro-batches per step (pipelined: per stage); default: 1, or --pp if --pp > 1"
+        None,
+        "micro-batches per step (pipelined: per stage); default: from --global-batch, or 1,"
+        " or --pp if --pp > 1",
+    )
+    global_batch: int | None = flag(
+        None,
+        "sequences per optimiser step in the whole job, whatever the layout: --grad-accum"
+        " becomes it / (data-parallel ranks x --micro-batch)",
     )
     lr: float = flag(3e-3, "peak learning rate")
     warmup: int | None = flag(
@@ -135,8 +93,25 @@ class TrainConfig:
     lr_floor: float = flag(0.1, "final learning rate, as a share of --lr")
     weight_decay: float = flag(0.1, "AdamW's decoupled weight decay")
     clip: float = flag(1.0, "clip the global gradient norm (0: never)")
-    bf16: bool = flag(False, "compute in bfloat16 under autocast")
-    checkpoint_activations: bool = flag(False, "recompute each block in backward")
+    bf16: bool = flag(
+        False,
+        "bfloat16: FSDP2's mixed precision on GPUs (bf16 weights, fp32 gradient reduction),"
+        " autocast on the CPU",
+    )
+    zero: int = flag(
+        3, "ZeRO stage of --dp-shard: 3 frees gathered weights after forward, 1 or 2 keep them"
+    )
+    recompute: str | None = flag(
+        None, f"what blocks recompute in backward, one of {', '.join(RECOMPUTE)} (default none)"
+    )
+    checkpoint_activations: bool = flag(
+        False, "recompute each block in backward (--recompute full)"
+    )
+    local_accumulation: bool = flag(
+        False,
+        "accumulate gradients unsharded and reduce once per step (FSDP2's"
+        " set_requires_gradient_sync(False)): fewer collectives, a whole fp32 gradient held",
+    )
     seed: int = flag(0, "seeds the weights and the data")
     model: str | None = flag(
         None, f"a model's shape, one of {', '.join(MODEL_PRESETS)}; shape flags override it"
@@ -164,6 +139,11 @@ class TrainConfig:
     fail_at_step: int | None = flag(None, "crash during this step, first try only")
     fail_rank: int = flag(0, "the rank that --fail-at-step crashes")
     deterministic: bool = flag(False, "deterministic kernels (for GPUs)")
+    drop_gradient: str | None = flag(
+        None,
+        "a planted bug, for the parity check: the first data-parallel rank zeroes its shard"
+        " of parameter NAME's gradient after each step's first micro-batch (no pipeline)",
+    )
 
     def __post_init__(self) -> None:
         self._fill_defaults()
@@ -189,7 +169,10 @@ class TrainConfig:
         if self.warmup is None:
             with contextlib.suppress(ValueError):
                 object.__setattr__(self, "warmup", default_warmup(self.steps))
-        if self.grad_accum is None:
+        if self.recompute is None:
+            mode = "full" if self.checkpoint_activations else "none"
+            object.__setattr__(self, "recompute", mode)
+        if self.grad_accum is None and self.global_batch is None:
             pipelined = isinstance(self.pp, int) and self.pp > 1
             object.__setattr__(
                 self, "grad_accum", default_grad_accum(self.pp if pipelined else None)
@@ -198,7 +181,17 @@ class TrainConfig:
     def _check_training(self) -> None:
         _checks.count("--steps", self.steps, minimum=1)
         _checks.count("--micro-batch", self.micro_batch, minimum=1)
-        _checks.count("--grad-accum", self.grad_accum, minimum=1)
+        if self.grad_accum is not None:
+            _checks.count("--grad-accum", self.grad_accum, minimum=1)
+        if self.global_batch is not None:
+            _checks.count("--global-batch", self.global_batch, minimum=1)
+        _checks.choice("--zero", self.zero, (1, 2, 3))
+        _checks.choice("--recompute", self.recompute, RECOMPUTE)
+        if self.checkpoint_activations and self.recompute != "full":
+            raise ValueError(
+                f"--checkpoint-activations must not be combined with --recompute "
+                f"{self.recompute}: it means --recompute full"
+            )
         _checks.positive("--lr", self.lr)
         if _checks.count("--warmup", self.warmup) >= self.steps:
             raise ValueError(
@@ -271,6 +264,11 @@ class TrainConfig:
             )
         if self.heads % tp:
             raise ValueError(f"--heads must be a multiple of --tp={tp}, got {self.heads}")
+        if self.vocab % tp:
+            raise ValueError(
+                f"--vocab must be a multiple of --tp={tp} (the embedding and head are split "
+                f"by vocabulary), got {self.vocab}"
+            )
         if self.kv_heads % tp:
             raise ValueError(
                 f"--kv-heads must be a multiple of --tp={tp} (each rank holds whole groups of "
@@ -288,16 +286,25 @@ class TrainConfig:
             )
         if v > 1 and pp < 2:
             raise ValueError(f"--pp must be >= 2 with --pp-schedule interleaved, got {pp}")
-        if pp > 1 and v == 1 and self.grad_accum < pp:
+        if self.grad_accum is not None:
+            self._check_pipeline(self.grad_accum, "--grad-accum")
+        if self.drop_gradient is not None and pp > 1:
+            raise ValueError(f"--drop-gradient must not be combined with --pp {pp}")
+
+    def _check_pipeline(self, micro_batches: int, flag: str) -> None:
+        """Whether the pipeline schedule takes ``micro_batches`` per step (``flag`` names
+        where the number came from)."""
+        pp, v = self.pp or 1, self.virtual_stages
+        if pp > 1 and v == 1 and micro_batches < pp:
             raise ValueError(
-                f"--grad-accum must be >= --pp={pp} for 1F1B (it is the number of "
-                f"micro-batches in the pipeline), got {self.grad_accum}"
+                f"{flag} must be >= --pp={pp} for 1F1B (it is the number of "
+                f"micro-batches in the pipeline), got {micro_batches}"
             )
-        if v > 1 and self.grad_accum % pp:
+        if v > 1 and micro_batches % pp:
             raise ValueError(
-                f"--grad-accum must be a multiple of --pp={pp} for the interleaved "
+                f"{flag} must be a multiple of --pp={pp} for the interleaved "
                 f"schedule (it is the number of micro-batches in the pipeline), "
-                f"got {self.grad_accum}"
+                f"got {micro_batches}"
             )
 
     def layout(self, world_size: int) -> Layout:
@@ -320,7 +327,35 @@ class TrainConfig:
                 f"the layout's sizes must multiply to the number of ranks, {world}: "
                 f"got {flags} = {layout.world}"
             )
+        if self.global_batch is not None:
+            self._micro_batches(layout)
         return layout
+
+    def _micro_batches(self, layout: Layout) -> int:
+        """Micro-batches per step on ``layout`` for ``--global-batch``, checked."""
+        per_step = layout.dp * self.micro_batch  # sequences per micro-step, whole job
+        if self.global_batch % per_step:
+            raise ValueError(
+                f"--global-batch must be a multiple of the data-parallel ranks x --micro-batch"
+                f" = {layout.dp} x {self.micro_batch} = {per_step}, got {self.global_batch}"
+            )
+        k = self.global_batch // per_step
+        if self.grad_accum is not None and self.grad_accum != k:
+            raise ValueError(
+                f"--grad-accum must be --global-batch / ({layout.dp} x --micro-batch) = {k}"
+                f" when both are given, got {self.grad_accum}"
+            )
+        self._check_pipeline(k, f"--global-batch / ({layout.dp} x --micro-batch)")
+        return k
+
+    def for_world(self, world_size: int) -> TrainConfig:
+        """This config on ``world_size`` ranks: its layout checked (:meth:`layout`) and,
+        with ``--global-batch``, ``grad_accum`` derived from it, so that every layout
+        trains on the same global batch."""
+        layout = self.layout(world_size)
+        if self.global_batch is None or self.grad_accum is not None:
+            return self
+        return dataclasses.replace(self, grad_accum=self._micro_batches(layout))
 
 
 class _Parser(argparse.ArgumentParser):
@@ -382,7 +417,8 @@ def model_config(config: TrainConfig) -> GPTConfig:
     fused attention (``scaled_dot_product_attention``), the ``qkv`` matrix stored
     head by head (so tensor parallelism splits it into whole heads, or whole groups
     of heads), no dropout, and each block recomputed in backward if
-    ``--checkpoint-activations``."""
+    ``--recompute full``; selective recomputation is the capstone's own, torch's
+    selective activation checkpointing (:mod:`trainscale.train.parallelize`)."""
     return GPTConfig(
         vocab=config.vocab,
         context=config.seq_len,
@@ -392,7 +428,7 @@ def model_config(config: TrainConfig) -> GPTConfig:
         d_ff=config.ffn,
         tied=config.tied,
         attention="sdpa",
-        recompute="full" if config.checkpoint_activations else "none",
+        recompute="full" if config.recompute == "full" else "none",
         qkv_layout="by_head",
         kv_heads=config.kv_heads,
         mlp=config.mlp,

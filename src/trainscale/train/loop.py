@@ -26,8 +26,8 @@ from trainscale.train.checkpoints import (
 )
 from trainscale.train.config import TrainConfig, model_config
 from trainscale.train.data import global_batch, micro_batch, tokens_per_step
-from trainscale.train.parallelize import Built, _loss, build
-from trainscale.transformer import matmul_weights, parameter_counts
+from trainscale.train.parallelize import Built, _loss, build, torch_context_parallel
+from trainscale.transformer import GPT, matmul_weights, parameter_counts
 
 FAIL_EXIT_CODE = 17
 """Exit status of the rank that ``--fail-at-step`` makes crash."""
@@ -100,10 +100,38 @@ def _grad_norm(
 
 
 def _sync_gradients(parts: list[torch.nn.Module], sync: bool) -> None:
-    """Make FSDP reduce gradients in this backward only if ``sync``: the micro-steps
-    before the last one just accumulate locally."""
+    """Make FSDP reduce gradients in this backward only if ``sync``
+    (``--local-accumulation``): the micro-steps before the last one accumulate
+    unsharded gradients on each rank."""
     for part in parts:
         part.set_requires_gradient_sync(sync)
+
+
+def gradient_bytes(parts: list[torch.nn.Module]) -> int:
+    """Bytes of gradient this rank holds now: its parameters' gradients (their local
+    shards) and the whole, unsharded gradients FSDP2 keeps between micro-batches when
+    gradient sync is off (read from FSDP2's private ``_unsharded_param``: a measurement,
+    not an interface)."""
+    held = 0
+    for part in parts:
+        for p in part.parameters():
+            if p.grad is not None:
+                g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                held += g.numel() * g.element_size()
+        for module in part.modules():
+            state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
+            group = getattr(state, "_fsdp_param_group", None) if state else None
+            for fsdp_param in getattr(group, "fsdp_params", []):
+                whole = getattr(fsdp_param, "_unsharded_param", None)
+                if whole is not None and whole.grad is not None:
+                    g = whole.grad.to_local() if isinstance(whole.grad, DTensor) else whole.grad
+                    held += g.numel() * g.element_size()
+    return held
+
+
+def _value(loss: torch.Tensor) -> torch.Tensor:
+    """A loss as a plain tensor (``loss_parallel``'s is a replicated DTensor)."""
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 
 def _step_plain(
@@ -112,21 +140,34 @@ def _step_plain(
     targets: torch.Tensor,
     config: TrainConfig,
     crash: Callable[[], None],
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, int]:
     """Forward and backward of one optimiser step without pipelining: ``grad_accum``
-    micro-batches, accumulated; returns this rank's mean loss."""
+    micro-batches, accumulated; returns this rank's mean loss and the most gradient
+    bytes it held after a micro-batch (:func:`gradient_bytes`).
+
+    FSDP2 reduce-scatters each micro-batch's gradients into the sharded ones, as
+    torchtitan does: no rank holds a whole gradient across micro-batches. With
+    ``--local-accumulation`` it keeps them whole until the last micro-batch instead.
+    """
     (model,) = built.parts
     total = torch.zeros((), device=inputs.device)
     k = config.grad_accum
+    peak = 0
     for micro, (x, y) in enumerate(zip(inputs.chunk(k), targets.chunk(k), strict=True)):
-        _sync_gradients(built.parts, micro == k - 1)
-        with _autocast(config, inputs.device):
-            part = _loss(model(x), y)
-        if micro == 0:
-            crash()
-        (part / k).backward()
-        total += part.detach() / k
-    return total
+        if config.local_accumulation:
+            _sync_gradients(built.parts, micro == k - 1)
+        with built.loss_context():
+            with _autocast(config, inputs.device):
+                part = _loss(model(x), y)
+            if micro == 0:
+                crash()
+            (part / k).backward()
+        if micro == 0 and config.drop_gradient is not None and built.dp_rank == 0:
+            grad = dict(model.named_parameters())[config.drop_gradient].grad  # the planted bug
+            (grad.to_local() if isinstance(grad, DTensor) else grad).zero_()
+        total += _value(part.detach()) / k
+        peak = max(peak, gradient_bytes(built.parts))
+    return total, peak
 
 
 def _step_pipelined(
@@ -135,20 +176,24 @@ def _step_pipelined(
     targets: torch.Tensor,
     config: TrainConfig,
     crash: Callable[[], None],
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, int]:
     """Forward and backward of one optimiser step through the pipeline schedule:
     it splits the rank's rows into ``grad_accum`` micro-batches and scales the
-    gradients by ``1 / grad_accum``; returns the mean loss (last stage; 0 elsewhere)."""
+    gradients by ``1 / grad_accum``; returns the mean loss (last stage; 0 elsewhere)
+    and the gradient bytes held after the step. torch's pipeline stages turn FSDP2's
+    gradient sync off until a stage's last micro-batch (``PipelineStage``), so they
+    hold whole gradients in between, whatever ``--local-accumulation`` says."""
     crash()
     losses: list[torch.Tensor] = []
-    with _autocast(config, inputs.device):
+    with built.loss_context(), _autocast(config, inputs.device):
         if built.has_first_stage:
             built.schedule.step(inputs, target=targets, losses=losses)
         else:
             built.schedule.step(target=targets, losses=losses)
+    held = gradient_bytes(built.parts)
     if not losses:
-        return torch.zeros((), device=inputs.device)
-    return torch.stack([loss.detach().float() for loss in losses]).mean()
+        return torch.zeros((), device=inputs.device), held
+    return torch.stack([_value(loss.detach()).float() for loss in losses]).mean(), held
 
 
 def _autocast(config: TrainConfig, device: torch.device) -> contextlib.AbstractContextManager:
@@ -184,11 +229,20 @@ def train(config: TrainConfig, rank: int, world_size: int, device: torch.device)
     token of the global batch, and ``parameters_held``, the parameter values
     this rank stores (its shards).
     """
-    layout = config.layout(world_size)  # before any collective: a bad layout stops every rank
+    config = config.for_world(world_size)  # before any collective: a bad layout stops every rank
+    layout = config.layout(world_size)
     if config.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
     model_shape = model_config(config)
+    if config.drop_gradient is not None:
+        with torch.device("meta"):
+            names = [name for name, _ in GPT(model_shape).named_parameters()]
+        if config.drop_gradient not in names:
+            raise ValueError(
+                f"--drop-gradient must name a parameter ({names[0]}, ...), "
+                f"got {config.drop_gradient!r}"
+            )
     built = build(config, layout, device)
     batch_rows = layout.dp * config.grad_accum * config.micro_batch
     progress = {
@@ -222,6 +276,7 @@ def train(config: TrainConfig, rank: int, world_size: int, device: torch.device)
     loss = grad_norm = lr = math.nan
     history: dict[int, tuple[float, float]] = {}
     busy, window, started = 0.0, 0, time.perf_counter()
+    gradient_peak = 0
     while step < config.steps:
         tick = time.perf_counter()
         lr = schedule_lr(step, config)
@@ -237,12 +292,19 @@ def train(config: TrainConfig, rank: int, world_size: int, device: torch.device)
             micro_batch(batch, built.dp_rank, layout.dp, config.grad_accum, micro)
             for micro in range(config.grad_accum)
         ]
-        tokens = slice(built.first_position, built.first_position + config.seq_len // layout.cp)
-        inputs = torch.cat([x for x, _ in slices])[:, tokens].to(device)
-        targets = torch.cat([y for _, y in slices])[:, tokens].to(device)
-        local = one_step(
-            built, inputs, targets, config, functools.partial(_maybe_fail, config, step, rank)
-        )
+        inputs = torch.cat([x for x, _ in slices]).to(device)
+        targets = torch.cat([y for _, y in slices]).to(device)
+        crash = functools.partial(_maybe_fail, config, step, rank)
+        if layout.cp > 1 and device.type == "cuda":  # torch's ring shards the sequences
+            buffers = [inputs, targets, built.positions]
+            with torch_context_parallel(built.mesh, buffers, [1, 1, 0]):
+                local, held = one_step(built, inputs, targets, config, crash)
+        else:
+            if built.positions is not None:  # this context-parallel rank's tokens
+                mine = built.positions.to(device)
+                inputs, targets = inputs[:, mine], targets[:, mine]
+            local, held = one_step(built, inputs, targets, config, crash)
+        gradient_peak = max(gradient_peak, held)
         grad_norm = _grad_norm(built.parameters(), config.clip, pp_group)
         for optimizer in built.optimizers:
             optimizer.step()
@@ -285,6 +347,7 @@ def train(config: TrainConfig, rank: int, world_size: int, device: torch.device)
         "lr": lr,
         "history": history,
         "parameters_held": built.parameters_held(),
+        "gradient_bytes": gradient_peak,
     }
 
 

@@ -1,105 +1,38 @@
-"""The capstone's layout: one mesh, the model split into pipeline stages, then tensor
-and sequence parallelism, context parallelism and FSDP2 applied to each stage, in
-torchtitan's order (``models/llama3/parallelize.py``: TP, activation checkpointing,
-FSDP; the stages handed to a pipeline schedule last).
+"""The capstone's layout: one mesh, the model split into pipeline stages on the meta
+device, then tensor and sequence parallelism (the vocabulary split too), context
+parallelism, recomputation and FSDP2 applied to each stage, in torchtitan's order
+(``models/llama3/parallelize.py``: TP, activation checkpointing, FSDP; the stages handed
+to a pipeline schedule last); only then the weights get memory and are drawn, shard by
+shard (:mod:`trainscale.train.stages`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
-from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
 from torch.nn import functional as F
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from trainscale.context import token_positions
 from trainscale.train.config import DIMS, Layout, TrainConfig, model_config
-from trainscale.transformer import GPT, GPTConfig, gpt
+from trainscale.train.stages import Stage, build_mesh, materialise, meta_stages, stage_ids
+from trainscale.transformer import GPTConfig
 from trainscale.workers.tensor_parallel import block_plan
-
-
-def build_mesh(layout: Layout, device: torch.device) -> DeviceMesh:
-    """One ``DeviceMesh`` over every rank, shaped :attr:`Layout.sizes` and named
-    :data:`DIMS` (size-1 dimensions are kept, so every layout has every name)."""
-    return init_device_mesh(device.type, layout.sizes, mesh_dim_names=DIMS)
-
-
-def stage_ids(pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
-    """The pipeline stages rank ``pp_rank`` runs: ``pp_rank``, ``pp_rank + pp``, ...
-    (the looped order of ``ScheduleInterleaved1F1B``; one stage for 1F1B)."""
-    return [pp_rank + chunk * pp for chunk in range(virtual_stages)]
-
-
-def stage_layers(stage: int, stages: int, layers: int) -> range:
-    """The blocks of stage ``stage`` of ``stages``: an equal, contiguous share of ``layers``."""
-    per = layers // stages
-    return range(stage * per, (stage + 1) * per)
-
-
-class Stage(torch.nn.Module):
-    """A contiguous run of the decoder's blocks, the first stage with the embeddings and
-    the last with the final norm and head; with one stage, the whole model.
-
-    The blocks sit in a ``ModuleDict`` keyed by their index in the whole model, so
-    every parameter keeps the unsplit model's name (``blocks.3.attention.qkv.weight``):
-    a checkpoint written by one split loads into any other. ``forward`` computes
-    what :class:`trainscale.transformer.GPT` computes over these blocks.
-
-    Under tensor parallelism (``tp_mesh`` set by :func:`apply_tensor_parallel`)
-    the activations between the blocks are split by sequence position: the
-    stage splits its input after the embeddings (each rank keeps its positions,
-    no communication) and all-gathers its output after the last block, so what
-    a stage receives and sends is whole on every tensor-parallel rank.
-    """
-
-    def __init__(self, model: GPT, layers: range, first: bool, last: bool) -> None:
-        super().__init__()
-        self.config = model.config
-        self.token_embedding = model.token_embedding if first else None
-        self.position_embedding = model.position_embedding if first else None
-        self.blocks = torch.nn.ModuleDict({str(i): model.blocks[i] for i in layers})
-        self.final_norm = model.final_norm if last else None
-        self.head = model.head if last else None
-        self.tp_mesh: DeviceMesh | None = None
-        self.first_position = 0  # of this rank's tokens, under context parallelism
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.token_embedding is not None:  # token ids -> (batch, seq, d_model)
-            first = self.first_position
-            positions = torch.arange(first, first + x.shape[-1], device=x.device)
-            x = self.token_embedding(x)
-            if self.position_embedding is not None:  # rotary embeddings act in attention
-                x = x + self.position_embedding(positions)
-        recompute = self.config.recompute == "full" and torch.is_grad_enabled()
-        if self.tp_mesh is not None:  # whole -> this rank's sequence positions
-            x = _relayout(x, self.tp_mesh, Replicate(), Shard(1))
-        for block in self.blocks.values():
-            x = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
-        if self.tp_mesh is not None:  # this rank's positions -> whole (a fresh tensor)
-            x = _relayout(x, self.tp_mesh, Shard(1), Replicate()).clone()
-        if self.head is not None:  # -> logits (batch, seq, vocab)
-            x = self.head(self.final_norm(x))
-        return x
-
-
-def _relayout(x: torch.Tensor, mesh: DeviceMesh, now: Placement, wanted: Placement):
-    """This rank's part of ``x`` laid out as ``now`` over ``mesh``, redistributed to ``wanted``."""
-    return DTensor.from_local(x, mesh, (now,)).redistribute(mesh, (wanted,)).to_local()
-
-
-def split_model(model: GPT, stages: list[int], total: int) -> list[Stage]:
-    """This rank's chunks of ``model``: one :class:`Stage` for each of ``stages`` out of
-    ``total`` (the chunks share their modules with ``model``)."""
-    layers = model.config.layers
-    return [
-        Stage(model, stage_layers(s, total, layers), first=s == 0, last=s == total - 1)
-        for s in stages
-    ]
 
 
 def tensor_parallel_plan(config: GPTConfig) -> dict[str, ParallelStyle]:
@@ -124,31 +57,108 @@ def tensor_parallel_plan(config: GPTConfig) -> dict[str, ParallelStyle]:
     )
 
 
-def apply_tensor_parallel(part: Stage, tp_mesh: DeviceMesh) -> None:
-    """Split each block of ``part`` over ``tp_mesh`` (:func:`tensor_parallel_plan`).
+def stage_plan(part: Stage) -> dict[str, ParallelStyle]:
+    """The vocabulary split of a stage's ends (torchtitan's Llama plan): the token
+    embedding row-wise (each rank holds ``vocab / tp`` rows, looks up the tokens it
+    has, and the partial sums are reduce-scattered to the ranks' shares of the
+    sequence; all-reduced instead when a learned position table is added before the
+    split, :class:`~trainscale.train.stages.Stage`); the final norm
+    sequence-parallel; the head column-wise, its logits left split by vocabulary
+    (``Shard(-1)``) for ``loss_parallel``'s cross-entropy, so no rank holds
+    ``batch x seq x vocab`` whole."""
+    plan: dict[str, ParallelStyle] = {}
+    if part.token_embedding is not None:  # a learned position table is added whole
+        whole = part.position_embedding is not None
+        plan["token_embedding"] = RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Replicate() if whole else Shard(1)
+        )
+    if part.head is not None:
+        plan["final_norm"] = SequenceParallel()
+        plan["head"] = ColwiseParallel(
+            input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False
+        )
+    return plan
 
-    The stage's input and output stay whole on every tensor-parallel rank
-    (:class:`Stage`). Embeddings, final norm and head are not split: each
-    tensor-parallel rank computes them whole, on the same data.
-    """
+
+def apply_tensor_parallel(part: Stage, tp_mesh: DeviceMesh) -> None:
+    """Split ``part`` over ``tp_mesh``: each block (:func:`tensor_parallel_plan`) and its
+    ends (:func:`stage_plan`). What a stage receives and sends is this rank's share of
+    the sequence, ``1 / tp`` of the activation, as Megatron-LM sends it."""
     for block in part.blocks.values():
         parallelize_module(block, tp_mesh, tensor_parallel_plan(part.config))
+    ends = stage_plan(part)
+    if ends:
+        parallelize_module(part, tp_mesh, ends)
     part.tp_mesh = tp_mesh
 
 
-def apply_context_parallel(part: Stage, mesh: DeviceMesh, tokens_per_rank: int) -> None:
-    """Split each sequence of ``part`` over the mesh's ``cp`` ranks: rank ``c`` takes
-    tokens ``c L .. (c + 1) L - 1`` (``L = tokens_per_rank``), and every block's
-    attention becomes ring attention over the ``cp`` group (chapter 14): keys and
-    values pass round the ring, each rank computing its queries' rows."""
+def apply_context_parallel(part: Stage, mesh: DeviceMesh, seq_len: int) -> None:
+    """Split each sequence of ``part`` over the mesh's ``cp`` ranks, zig-zag (chapter 14,
+    :func:`trainscale.context.token_positions`: of ``2 cp`` chunks, rank ``c`` holds
+    chunks ``c`` and ``2 cp - 1 - c``, so every rank does the same causal work), and
+    make every block's attention ring attention over the ``cp`` group
+    (:func:`trainscale.workers.context.ring_attention`): keys and values pass round
+    the ring, each rank computing its queries' rows. The book's ring runs on any
+    backend; on GPUs torch's ``context_parallel`` is used instead
+    (:func:`torch_context_parallel`)."""
     from trainscale.workers.context import ring_attention  # only context parallelism needs it
 
-    ring = functools.partial(ring_attention, group=mesh.get_group("cp"), causal=True)
-    first = mesh.get_local_rank("cp") * tokens_per_rank
+    cp, rank = mesh["cp"].size(), mesh.get_local_rank("cp")
+    ring = functools.partial(
+        ring_attention, group=mesh.get_group("cp"), causal=True, layout="zigzag"
+    )
+    positions = torch.tensor(token_positions(seq_len, cp, rank, "zigzag"))
+    part.positions = positions
     for block in part.blocks.values():
         block.attention.attend_fn = ring
-        block.attention.positions = torch.arange(first, first + tokens_per_rank)
-    part.first_position = first
+        block.attention.positions = positions
+
+
+def torch_context_parallel(
+    mesh: DeviceMesh, buffers: list[torch.Tensor], seq_dims: list[int]
+) -> contextlib.AbstractContextManager:
+    """UNTESTED HERE (no GPU): torch's ``context_parallel`` over the ``cp`` ranks, with
+    its load balancing (head-tail chunks, as the zig-zag split), for a GPU run: it
+    shards ``buffers`` (inputs, targets, positions) along ``seq_dims`` in place and
+    routes the GPU's fused attention kernels through its ring. On the CPU it cannot run
+    (no sharding rule for the CPU's SDPA kernel; TECH_NOTES), so the CPU uses
+    :func:`apply_context_parallel`'s ring."""
+    from torch.distributed.tensor.experimental import context_parallel
+
+    return context_parallel(mesh["cp"], buffers=buffers, buffer_seq_dims=seq_dims)
+
+
+SAVED_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+}
+"""What selective recomputation keeps (torchtitan's ``_op_sac_save_list``, less its
+every-other-matmul rule): the outputs of matrix products, of fused attention and of
+tensor parallelism's reduce-scatters. Norms, activations, the rotary turns, dropout
+masks and the like are computed again in backward: cheap operations whose outputs
+are as large as the matrix products'."""
+
+
+def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_context():
+    """The ``context_fn`` of ``torch.utils.checkpoint`` for selective recomputation:
+    torch's selective activation checkpointing with the :data:`SAVED_OPS` policy."""
+    return create_selective_checkpoint_contexts(_selective_policy)
+
+
+def apply_recomputation(part: Stage, mode: str) -> None:
+    """What each block of ``part`` keeps for backward: ``"none"``, ``"selective"``
+    (:func:`selective_context`) or ``"full"`` (only the block's input)."""
+    part.recompute = mode
+    part.context_fn = selective_context if mode == "selective" else None
 
 
 def fsdp_mesh(mesh: DeviceMesh, layout: Layout) -> DeviceMesh:
@@ -163,12 +173,36 @@ def fsdp_mesh(mesh: DeviceMesh, layout: Layout) -> DeviceMesh:
     return mesh["dp_replicate", shard] if layout.dp_replicate > 1 else mesh[shard]
 
 
-def apply_fsdp(part: Stage, dp_mesh: DeviceMesh, reshard_after_forward: bool) -> None:
+def mixed_precision(config: TrainConfig, device: torch.device) -> MixedPrecisionPolicy:
+    """FSDP2's precision: with ``--bf16`` on a GPU, parameters gathered and computed in
+    bfloat16, gradients reduced in float32, the sharded weights and Adam's moments
+    kept in float32 (torchtitan's default); otherwise float32 throughout (on the CPU
+    ``--bf16`` is autocast instead, and parity runs are float32)."""
+    if config.bf16 and device.type == "cuda":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def reshard_after_forward(config: TrainConfig, layout: Layout) -> bool:
+    """Whether FSDP2 frees the gathered weights after forward (and gathers them again in
+    backward): under ZeRO-3 without pipelining (torchtitan's default policy), never
+    under ``--zero 1`` or ``2``, which keep them gathered from forward to backward, as
+    the planner assumes; gradients are reduce-scattered either way (FSDP2 has no
+    ZeRO-1, whose gradients stay whole, so ``--zero 1`` holds ZeRO-2's)."""
+    return config.zero == 3 and layout.pp == 1
+
+
+def apply_fsdp(
+    part: Stage, dp_mesh: DeviceMesh, reshard: bool, policy: MixedPrecisionPolicy | None = None
+) -> None:
     """Shard ``part`` over ``dp_mesh`` with FSDP2 (HSDP if the mesh is two-dimensional):
     one all-gather per block, and one for the rest (embeddings, final norm, head)."""
+    options = {"mesh": dp_mesh, "reshard_after_forward": reshard}
+    if policy is not None:
+        options["mp_policy"] = policy
     for block in part.blocks.values():
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(part, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, **options)
+    fully_shard(part, **options)
 
 
 @dataclass
@@ -209,9 +243,14 @@ class Built:
         return self.has_last_stage and c["tp"] == 0
 
     @property
-    def first_position(self) -> int:
-        """The first of this rank's token positions (0 without context parallelism)."""
-        return self.parts[0].first_position
+    def positions(self) -> torch.Tensor | None:
+        """This rank's token positions in each sequence (``None``: all of them)."""
+        return self.parts[0].positions
+
+    def loss_context(self) -> contextlib.AbstractContextManager:
+        """Where forward and backward run: ``loss_parallel`` under tensor parallelism,
+        whose cross-entropy takes logits split by vocabulary."""
+        return loss_parallel() if self.layout.tp > 1 else contextlib.nullcontext()
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return [p for part in self.parts for p in part.parameters()]
@@ -224,34 +263,39 @@ class Built:
 
 
 def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over every token of a micro-batch, computed in float32."""
+    """Mean cross-entropy over every token of a micro-batch, computed in float32 (under
+    tensor parallelism, ``loss_parallel``'s: the logits stay split by vocabulary)."""
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 def build(config: TrainConfig, layout: Layout, device: torch.device) -> Built:
     """Build this rank's part of the model, in torchtitan's order.
 
-    Every rank draws the same whole model from the seed, then keeps its pipeline
-    stages (:func:`split_model`), splits each stage's blocks by tensor
-    parallelism, wraps them for activation checkpointing (the stage's forward
-    does it, per block), shards each stage over the data-parallel ranks with
-    FSDP2 (HSDP when ``dp_replicate > 1``), and, with ``pp > 1``, hands the
-    stages to a pipeline schedule. Each chunk gets its AdamW (weight decay on
-    every parameter, for simplicity).
+    The rank's pipeline stages of the decoder are made on the meta device
+    (:func:`trainscale.train.stages.meta_stages`); each is split by tensor
+    parallelism (blocks and vocabulary), its attention made ring attention under
+    context parallelism, its blocks set to recompute in backward, and it is sharded
+    over the data-parallel ranks with FSDP2 (HSDP when ``dp_replicate > 1``); then
+    every stage gets memory and its weights are drawn, each rank its own shards
+    (:func:`trainscale.train.stages.materialise`); with ``pp > 1`` the stages go to a
+    pipeline schedule. Each chunk gets its AdamW (weight decay on every parameter,
+    for simplicity).
     """
     mesh = build_mesh(layout, device)
-    model = gpt(model_config(config), seed=config.seed).to(device)
     pp_rank = mesh.get_local_rank("pp")
     total = layout.pp * config.virtual_stages
     ids = stage_ids(pp_rank, layout.pp, config.virtual_stages)
-    parts = split_model(model, ids, total)
+    parts = meta_stages(model_config(config), ids, total)
     dp_mesh = fsdp_mesh(mesh, layout)
+    policy = mixed_precision(config, device)
     for part in parts:
         if layout.tp > 1:
             apply_tensor_parallel(part, mesh["tp"])
-        if layout.cp > 1:
-            apply_context_parallel(part, mesh, config.seq_len // layout.cp)
-        apply_fsdp(part, dp_mesh, reshard_after_forward=layout.pp == 1)
+        if layout.cp > 1 and device.type != "cuda":
+            apply_context_parallel(part, mesh, config.seq_len)
+        apply_recomputation(part, config.recompute)
+        apply_fsdp(part, dp_mesh, reshard_after_forward(config, layout), policy)
+    materialise(parts, device, config.seed)
     optimizers = [
         torch.optim.AdamW(
             part.parameters(),

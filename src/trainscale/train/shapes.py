@@ -1,12 +1,67 @@
-"""The capstone's model shapes: a tiny GPT-2 by default, and the planner's Llama 3
+"""The capstone's shapes: the mesh's (:data:`DIMS`, :class:`Layout`, torchtitan's
+``ParallelDims``) and the model's, a tiny GPT-2 by default, and the planner's Llama 3
 presets under the planner's names (``--model llama-3-70b``)."""
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Any
 
 from trainscale.planner.inputs import LLAMA3
 from trainscale.transformer import LLAMA_SHAPE
+
+DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+"""The device mesh's dimensions, outermost first, in torchtitan's order: pipeline
+stages, replicated data parallelism, sharded data parallelism, context
+parallelism, tensor parallelism (the innermost, whose collectives are the most
+frequent, on the ranks that are closest)."""
+
+PP_SCHEDULES = ("1f1b", "interleaved")
+"""Pipeline schedules: ``Schedule1F1B`` (one stage per rank) or
+``ScheduleInterleaved1F1B`` (``--virtual-stages`` stages per rank)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How ``world`` ranks split the work: a size for each of :data:`DIMS`.
+
+    Their product is the number of ranks. ``dp`` (= ``dp_replicate * dp_shard``)
+    ranks see different data; the ``pp * cp * tp`` ranks of one data-parallel
+    group see the same.
+    """
+
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """The mesh's shape, in the order of :data:`DIMS`."""
+        return tuple(getattr(self, name) for name in DIMS)
+
+    @property
+    def world(self) -> int:
+        """Ranks the layout needs."""
+        return math.prod(self.sizes)
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks: how many different slices of the global batch run at once."""
+        return self.dp_replicate * self.dp_shard
+
+    def describe(self) -> str:
+        """``TP 2 x PP 2 x DP 2 (replicate 1 x shard 2)``: the layout in words."""
+        dp = f"DP {self.dp} (replicate {self.dp_replicate} x shard {self.dp_shard})"
+        cp = f" x CP {self.cp}" if self.cp > 1 else ""
+        return f"TP {self.tp} x PP {self.pp} x {dp}{cp}"
+
+
+RECOMPUTE = ("none", "selective", "full")
+"""What each block keeps for backward: everything, what torch's selective activation
+checkpointing saves (:data:`trainscale.train.parallelize.SAVED_OPS`), or only its input."""
 
 GPT_SHAPE: dict[str, Any] = {
     "vocab": 64,
