@@ -71,6 +71,7 @@ TRAIN_ORDER: tuple[str, ...] = (
     "train.parallelize",
     "train.checkpoints",
     "train.loop",
+    "train.estimate",
     "train.cli",
     "train.__init__",
     "train.__main__",

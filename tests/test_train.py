@@ -639,6 +639,25 @@ def test_the_vocabulary_is_split_and_the_loss_taken_on_split_logits(one_rank):
     assert loss.full_tensor().item() == pytest.approx(math.log(64), rel=0.05)
 
 
+def test_the_memory_estimate_runs_a_step_on_a_fake_world_beside_the_planner(capsys):
+    # TP 2 x DP 4 of a tiny Llama on a fake world of 8 ranks, in this one process:
+    # FSDP2's sharded fp32 weights and Adam's two moments of each, and the planner's
+    # optimiser state (fp32 master weights and the moments) is the sum of the two.
+    flags = ["--estimate-memory", "--tp", "2", "--dp-shard", "4", "--model", "llama-3-8b"]
+    tiny = ["--layers", "2", "--width", "64", "--heads", "4", "--kv-heads", "2", "--ffn", "96"]
+    found = train.estimate.estimate_memory(
+        train.parse_args([*flags, *tiny, "--vocab", "64", "--seq-len", "16"])
+    )
+    assert found["rank"] == 0 and found["layout"].world == 8
+    sharded = found["peak"]["Sharded Param"]
+    assert found["adam"] == 2 * sharded
+    assert found["planner"]["optimiser state"] == pytest.approx(3 * sharded, rel=0.01)
+    assert not dist.is_initialized()  # the fake group is left again
+    train.main([*flags, *tiny, "--vocab", "64", "--seq-len", "16"])
+    out = capsys.readouterr().out
+    assert "on a fake world (FSDPMemTracker" in out and "the planner's estimate" in out
+
+
 # --------------------------------------------------------------------------- one process
 
 

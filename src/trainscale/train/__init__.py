@@ -88,7 +88,7 @@ and :mod:`~trainscale.train.cli` (``worker`` and ``main``); their names are
 re-exported here.
 """
 
-from trainscale.train import parity
+from trainscale.train import estimate, parity
 from trainscale.train.checkpoints import (
     CHECKPOINT_PREFIX,
     FINAL_MOMENTS,
@@ -184,6 +184,7 @@ __all__ = [
     "complete_checkpoints",
     "default_grad_accum",
     "default_warmup",
+    "estimate",
     "fsdp_mesh",
     "full_parameter",
     "global_batch",

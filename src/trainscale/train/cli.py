@@ -79,6 +79,16 @@ def main(argv: list[str] | None = None) -> dict:
     """
     arguments = sys.argv[1:] if argv is None else list(argv)
     p = parser()
+    if "--estimate-memory" in arguments:  # one process, whatever the layout's size
+        try:
+            config = parse_args(arguments)
+        except ValueError as error:
+            p.exit(2, f"{p.prog}: error: {error}\n")
+        from trainscale.train.estimate import report  # imports the fake process group
+
+        lines = report(config)
+        print("\n".join(lines))
+        return {"estimate": lines}
     try:
         alone = runs_alone(arguments)
     except ValueError as error:

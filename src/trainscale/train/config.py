@@ -139,6 +139,11 @@ class TrainConfig:
     fail_at_step: int | None = flag(None, "crash during this step, first try only")
     fail_rank: int = flag(0, "the rank that --fail-at-step crashes")
     deterministic: bool = flag(False, "deterministic kernels (for GPUs)")
+    estimate_memory: bool = flag(
+        False,
+        "train nothing: one step of the fullest stage's rank on a fake world of the layout's"
+        " size, torch's memory tracker beside the planner's estimate",
+    )
     drop_gradient: str | None = flag(
         None,
         "a planted bug, for the parity check: the first data-parallel rank zeroes its shard"
