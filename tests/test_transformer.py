@@ -580,3 +580,12 @@ def test_rotary_positions_can_be_given_to_a_block():
 def test_the_llama_switches_name_a_bad_argument(kwargs, name):
     with pytest.raises(ValueError, match=rf"^{name} must|^position='rope' needs"):
         GPTConfig(**{"d_model": 16, "heads": 4, **kwargs})
+
+
+def test_fused_grouped_attention_equals_keys_and_values_copied_per_head():
+    # With SDPA the kernel reads each key-value head for its group (enable_gqa): autograd
+    # keeps kv_heads heads of keys and values, not heads; the function is the same as
+    # the written-out attention over copied keys and values.
+    fused = GPTConfig(**{**LLAMA_TINY.__dict__, "attention": "sdpa"})
+    tokens = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(3))
+    assert torch.allclose(gpt(fused, seed=5)(tokens), gpt(LLAMA_TINY, seed=5)(tokens), atol=1e-5)

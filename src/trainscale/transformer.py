@@ -322,6 +322,13 @@ class CausalSelfAttention(nn.Module):
             if positions is None:
                 positions = torch.arange(seq, device=x.device)
             q, k = rotate(q, positions, c.rope_theta), rotate(k, positions, c.rope_theta)
+        fused_groups = share > 1 and c.attention == "sdpa" and self.attend_fn is None
+        if fused_groups and c.recompute != "selective":  # the kernel reads each kv head once
+            out = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=c.dropout if self.training else 0.0, is_causal=True,
+                enable_gqa=True,
+            )  # fmt: skip
+            return self.proj(out.transpose(1, 2).reshape(batch, seq, -1))
         if share > 1:  # each key-value head serves its group's query heads
             k, v = k.repeat_interleave(share, dim=1), v.repeat_interleave(share, dim=1)
         options = {
