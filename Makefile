@@ -93,11 +93,11 @@ unit: $(STAMP)
 	$(BIN)/python -m pytest -n 3 tests
 
 # nbval strict: every notebook re-run and each text output (and SVG figure)
-# compared with the stored one. The kernels run with torch's and MKL's vector
+# compared with the stored one. The kernels run with torch's, MKL's and oneDNN's vector
 # code forced to another instruction set than this machine's (plain C++ kernels,
 # SSE4.2 BLAS), so a pass shows the stored outputs hold on other CPUs too
 # (see CONTRIBUTING.md, "Outputs that hold on every CPU").
-KERNELS_ELSEWHERE := ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2
+KERNELS_ELSEWHERE := ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2 ONEDNN_MAX_CPU_ISA=SSE41
 NBVAL := --nbval --nbval-current-env --nbval-sanitize-with tests/sanitize.cfg
 # Chapter 04 counts the bytes that cross the loopback interface during its all-reduces,
 # so it runs alone: another notebook's gloo ranks would add their traffic to the count.
