@@ -16,6 +16,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # 1: formulas and the model, one module per chapter idea.
     (
         "compute",
+        "hardware",
         "memory",
         "collectives",
         "sharding",

@@ -33,6 +33,12 @@ from trainscale.figures.efficiency import (
     step_durations,
 )
 from trainscale.figures.experts import all_to_all_matrix, expert_loads
+from trainscale.figures.hardware import (
+    gemm_share_against_size,
+    gemm_tile_waves,
+    node_diagram,
+    roofline,
+)
 from trainscale.figures.memory import activations_against_batch, memory_stack
 from trainscale.figures.pipeline import bubble_curves, pipeline_timelines, schedule_comparison
 from trainscale.figures.planner import (
@@ -90,6 +96,8 @@ __all__ = [
     "four_collectives",
     "fsdp_memory_timeline",
     "fsdp_timeline",
+    "gemm_share_against_size",
+    "gemm_tile_waves",
     "gradient_histogram",
     "layer_bytes",
     "loader_timeline",
@@ -100,6 +108,7 @@ __all__ = [
     "memory_timelines",
     "mfu_against_batch",
     "new_figure",
+    "node_diagram",
     "noise_scale_growth",
     "pipeline_timelines",
     "planner_calibration",
@@ -110,6 +119,7 @@ __all__ = [
     "ring_attention_steps",
     "ring_stages",
     "ring_step",
+    "roofline",
     "scaled_cast_histogram",
     "schedule_comparison",
     "simulated_intervals",

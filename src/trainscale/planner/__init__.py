@@ -45,6 +45,11 @@ from trainscale.checkpointing import (
     RECOMPUTE,
     layer_activation_bytes,
 )
+from trainscale.hardware import (
+    TILE,
+    gemm_seconds,
+    tile_overhead_k,
+)
 from trainscale.memory import (
     USABLE_MEMORY,
 )
@@ -84,12 +89,9 @@ from trainscale.planner.kernels import (
     TABLE4_GPU,
     TABLE4_RUN,
     TABLE4_SECONDS,
-    TILE,
-    gemm_seconds,
     gemm_share,
     table4_half_shares,
     table4_seconds,
-    tile_overhead_k,
 )
 from trainscale.planner.layout import (
     KERNEL_EFFICIENCY,

@@ -1,8 +1,9 @@
 """Kernels: the calibrated model's compute, every kernel of a layer at its roofline.
 
-:func:`gemm_seconds` is one GEMM at its roofline (wave quantisation and each tile's
-fixed cost, :func:`tile_overhead_k`); :func:`_layer_times_at` a layer's forward and
-backward, :func:`_roofline` a stage's; the GEMM share is read off Korthikanti et al.'s
+:func:`~trainscale.hardware.gemm_seconds` is one GEMM at its roofline (wave quantisation
+and each tile's fixed cost, :func:`~trainscale.hardware.tile_overhead_k`), from the
+primer's module :mod:`trainscale.hardware`; :func:`_layer_times_at` a layer's forward
+and backward, :func:`_roofline` a stage's; the GEMM share is read off Korthikanti et al.'s
 Table 4 (:data:`TABLE4_SECONDS`, :func:`table4_seconds`, :func:`gemm_share`,
 :data:`GEMM_SHARE`) at each setting of the unknowns it is tied to
 (:mod:`trainscale.planner.unknowns`), and :func:`_rates` moves it to a layout's GPU.
@@ -12,11 +13,11 @@ Table 4 (:data:`TABLE4_SECONDS`, :func:`table4_seconds`, :func:`gemm_share`,
 from __future__ import annotations
 
 import functools
-import math
 
 from trainscale import _checks
 from trainscale.checkpointing import layer_activation_bytes
 from trainscale.context import CAUSAL_WORK_SHARE
+from trainscale.hardware import gemm_seconds
 from trainscale.planner.inputs import Cluster, Model, published_cluster, published_model
 from trainscale.planner.memory import (
     eager_layer_activation_bytes,
@@ -38,76 +39,6 @@ TABLE4_GPU = "A100-80GB"
 TABLE4_RUN = "GPT 22B on 8 A100s, full recompute"
 """The calibration row (:func:`trainscale.published.published_runs`) whose model and
 GPUs :data:`TABLE4_SECONDS` timed."""
-
-
-TILE = (256, 128)
-"""Output tile of one thread block in a large cuBLAS bf16 GEMM, rows x columns (NVIDIA's
-"Matrix Multiplication Background" user's guide, section 2.3, lists 256 x 128 as the
-most efficient of its typical tiles)."""
-
-
-def tile_overhead_k(share: float, peak_flops: float, bandwidth: float) -> float:
-    """A tile's fixed cost, first order, in steps of its main loop counted in units of ``k``.
-
-    After its last multiply a tile writes its ``2 x 256 x 128`` bytes of 16-bit output
-    at its SM's share of the memory bandwidth; its main loop does ``2 x 256 x 128``
-    FLOPs per unit of ``k`` at its SM's share of ``share x peak_flops``. Both shares are
-    the SM's, so the write lasts ``share x peak_flops / bandwidth`` units of ``k``: the
-    machine's balance point, FLOPs per byte (2 bytes per output element, 2 FLOPs per
-    multiply-add). About 103 on an A100 at the central share, 0.67. So a GEMM whose
-    ``k`` is short (tensor parallelism cuts the output projection's ``k`` to ``h / TP``)
-    runs further below its share than a wide one. Not counted: the wait for the first
-    slice of A and B before the first multiply (CUTLASS's multistage main loop waits for
-    one stage, one memory latency). A second tile resident on the SM, or a persistent
-    kernel, hides the output write (CUTLASS's "Efficient GEMM" notes: Hopper's
-    persistent ping-pong kernel overlaps one warp group's output with the other's math);
-    :data:`trainscale.planner.unknowns.TILE_OVERHEAD` gives the span the range allows.
-    """
-    rate = _checks.positive("share", share, maximum=1.0) * _checks.positive(
-        "peak_flops", peak_flops
-    )
-    return rate / _checks.positive("bandwidth", bandwidth)
-
-
-def gemm_seconds(
-    m: float,
-    k: float,
-    n: float,
-    peak_flops: float,
-    bandwidth: float,
-    share: float,
-    batch: float = 1,
-    multiprocessors: int = 132,
-    tile_overhead: float = 1.0,
-) -> float:
-    """Time in seconds of ``batch`` bf16 GEMMs ``(m x k) @ (k x n)``, launched as one kernel.
-
-    Compute: the output is cut into :data:`TILE` tiles, one per thread block, and the
-    ``multiprocessors`` SMs run them in waves; a partly filled last wave takes as long
-    as a full one (wave quantisation, section 3.2 of NVIDIA's "Matrix Multiplication
-    Background" user's guide). Each wave does ``multiprocessors x 2 x 256 x 128 x k``
-    FLOPs at ``share x peak_flops``, and each of its tiles also pays a fixed cost worth
-    ``tile_overhead x`` :func:`tile_overhead_k` more of ``k`` (writing its output;
-    ``tile_overhead`` 0 when something hides it). Memory: the 16-bit
-    operands and results, ``2 (m k + k n + m n)`` bytes per GEMM, at ``bandwidth``. The
-    kernel takes the longer of the two (the roofline of Williams et al. 2009). So a
-    GEMM's efficiency is a function of its shape: one with a short side (attention's
-    ``Q K^T`` has the head dimension, 128) has few FLOPs per byte, one with few tiles
-    wastes most of its last wave, and one with a short ``k`` spends a larger share of each
-    tile's time on the tile's fixed cost.
-    """
-    for name, value in (("m", m), ("k", k), ("n", n), ("batch", batch)):
-        _checks.positive(name, value)
-    peak = _checks.positive("peak_flops", peak_flops)
-    bw = _checks.positive("bandwidth", bandwidth)
-    rate = peak * _checks.positive("share", share, maximum=1.0)
-    sms = _checks.count("multiprocessors", multiprocessors, minimum=1)
-    overhead = _checks.non_negative("tile_overhead", tile_overhead)
-    rows, cols = TILE
-    tiles = math.ceil(m / rows) * math.ceil(n / cols) * math.ceil(batch)
-    depth = k + overhead * tile_overhead_k(share, peak, bw)
-    compute = math.ceil(tiles / sms) * sms * 2 * rows * cols * depth / rate
-    return max(compute, batch * 2 * (m * k + k * n + m * n) / bw)
 
 
 @functools.lru_cache(maxsize=8192)
