@@ -272,6 +272,8 @@ def test_the_exercise_checker_refuses_bad_arguments_before_starting_ranks():
         dp.check_average_gradients(average, world_sizes=(4,), batch=10)
     with pytest.raises(ValueError, match="average_gradients must be a function"):
         dp.check_average_gradients(print)
+    with pytest.raises(ValueError, match="defined with def"):
+        dp.check_average_gradients(lambda model: None)
 
 
 def forgot_to_divide(model: nn.Module) -> None:

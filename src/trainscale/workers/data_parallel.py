@@ -558,7 +558,9 @@ def check_average_gradients(
         raise ValueError(
             f"average_gradients must be a function defined in a cell or a file, got {error}"
         ) from None
-    name = average_gradients.__name__
+    name = getattr(average_gradients, "__name__", "")
+    if not name.isidentifier():
+        raise ValueError(f"average_gradients must be a function defined with def, got {name!r}")
     for n in sizes:
         try:
             results = run_ranks(exercise_worker, n, source, name, batch, timeout=timeout)
