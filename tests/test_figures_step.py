@@ -16,14 +16,15 @@ def no_pyplot_figures():
     assert plt.get_fignums() == []
 
 
-def test_step_timeline_draws_every_phase_on_every_gpu(no_pyplot_figures):
+def test_step_timeline_draws_every_phase_once_for_all_gpus(no_pyplot_figures):
     # forward 0-1 s, backward 1-3 s, all-reduce 2.5-3.5 s (half hidden), optimiser 3.5-4 s.
     phases = step_timeline(1.0, 2.0, 1.0, 0.5, 0.5)
     fig = figures.step_timeline(phases, gpus=2)
     ax = fig.axes[0]
     assert ax.get_title() == "One training step on 2 GPUs: 4.00 s"
-    assert [t.get_text() for t in ax.get_yticklabels()] == ["GPU 0", "GPU 1"]
-    assert len(ax.patches) == 4 * 2
+    # Every GPU runs the same phases: one row stands for both.
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["each of\n2 GPUs"]
+    assert len(ax.patches) == 4
     assert [(p.get_x(), p.get_width()) for p in ax.patches[:4]] == [
         (0.0, 1.0),
         (1.0, 2.0),
@@ -38,8 +39,11 @@ def test_step_timeline_on_one_gpu_and_with_a_title(no_pyplot_figures):
     phases = step_timeline(1.0, 2.0, 0.0, 0.5, 0.0)
     alone = figures.step_timeline(phases, 1).axes[0]
     assert alone.get_title() == "One training step on 1 GPU: 3.50 s"
+    assert [t.get_text() for t in alone.get_yticklabels()] == ["the GPU"]
     assert len(alone.patches) == 3  # nothing to all-reduce
     assert figures.step_timeline(phases, 1, title="mine").axes[0].get_title() == "mine"
+    with pytest.raises(ValueError, match="gpus"):
+        figures.step_timeline(phases, 0)
 
 
 def test_flop_bars_are_in_mflop_and_coloured_by_phase(no_pyplot_figures):

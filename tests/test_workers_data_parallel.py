@@ -1,12 +1,14 @@
 """workers.data_parallel, beyond what notebook 03 checks when it runs the worker on 4 real
 ranks (DDP's gradient, broadcast, training, no_sync, unequal slices, batch norm, memory and
-buckets): the helpers the chapter and the worker share, their bad arguments, and the
-torchrun entry's report."""
+buckets) and the exercise's reference solution on 2 and 4: the helpers the chapter and the
+worker share, their bad arguments, the torchrun entry's report, and what the exercise's
+checker says about wrong solutions."""
 
 import itertools
 
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
@@ -202,3 +204,110 @@ def test_torchrun_entry_reports_on_rank_0_only(monkeypatch, capsys):
     wrong = {"unequal, plain", "batch norm, local"}  # 9 examples split 5 + 4; per-slice norms
     assert all((errors[k] > 0.05) == (k in wrong) for k in errors)
     assert all(errors[k] < 1e-6 for k in errors.keys() - wrong)
+
+
+# --- the exercise: a reader's gradient averaging, checked --------------------------------
+
+
+def _reports(batch: int, ranks: int, mistake: str) -> list[dict]:
+    """What each rank of :func:`dp.exercise_worker` reports after a solution that makes
+    ``mistake`` (``"none"``, ``"no division"``, ``"nothing"``, ``"biases left"``),
+    computed in this process from each rank's own gradient."""
+    x, y = dp.regression_data(batch)
+    locals_ = []
+    for rank in range(ranks):
+        part = dp.rank_slice(batch, rank, ranks)
+        locals_.append(full_batch_gradient(dp.regression_model(), dp.loss_fn, x[part], y[part]))
+    total = {k: sum(g[k] for g in locals_) for k in locals_[0]}
+    reports = []
+    for own in locals_:
+        grads = {
+            "none": {k: v / ranks for k, v in total.items()},
+            "no division": total,
+            "nothing": own,
+            "biases left": {
+                k: own[k] if k.endswith("bias") else v / ranks for k, v in total.items()
+            },
+        }[mistake]
+        reports.append({"gradients": grads})
+    return reports
+
+
+def test_the_exercise_finds_nothing_wrong_with_a_correct_average():
+    assert dp.exercise_problems(_reports(24, 4, "none"), 24) == []
+
+
+def test_the_exercise_names_each_typical_mistake():
+    # 2 ranks: the sum of the two slices' mean gradients is 2 x the full-batch mean.
+    assert dp.exercise_problems(_reports(24, 2, "no division"), 24) == [
+        "every rank: every .grad holds the sum over the ranks, 2 times the full-batch "
+        "gradient: divide by dist.get_world_size()"
+    ]
+    [nothing] = dp.exercise_problems(_reports(24, 4, "nothing"), 24)
+    assert nothing.startswith("every rank: every .grad still holds this rank's own gradient")
+    [biases] = dp.exercise_problems(_reports(24, 4, "biases left"), 24)
+    assert biases.startswith("every rank: the .grad of 0.bias, 2.bias, 4.bias still hold")
+
+
+def test_the_exercise_reports_errors_and_which_ranks_they_hit():
+    reports = _reports(24, 2, "none")
+    reports[1] = {"error": "NameError: name 'np' is not defined"}
+    [problem] = dp.exercise_problems(reports, 24)
+    assert problem.startswith("rank 1: raised NameError: name 'np' is not defined")
+    assert "import anything else inside your function" in problem
+    hung = [{"error": "RuntimeError: [pair.cc:553] Connection closed by peer"}, reports[0]]
+    [problem] = dp.exercise_problems(hung, 24)
+    assert problem.startswith("rank 0: waited in a collective that another rank never called")
+
+
+def test_the_exercise_checker_refuses_bad_arguments_before_starting_ranks():
+    def average(model):
+        pass
+
+    with pytest.raises(ValueError, match="world_sizes"):
+        dp.check_average_gradients(average, world_sizes=(1,))
+    with pytest.raises(ValueError, match="world_sizes"):
+        dp.check_average_gradients(average, world_sizes=())
+    with pytest.raises(ValueError, match="batch must be divisible"):
+        dp.check_average_gradients(average, world_sizes=(4,), batch=10)
+    with pytest.raises(ValueError, match="average_gradients must be a function"):
+        dp.check_average_gradients(print)
+    with pytest.raises(ValueError, match="defined with def"):
+        dp.check_average_gradients(lambda model: None)
+
+
+def forgot_to_divide(model: nn.Module) -> None:
+    """A typical wrong solution: the sum over the ranks, not the mean."""
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+
+
+def reduced_a_copy(model: nn.Module) -> None:
+    """A typical wrong solution: the all-reduce lands in a copy, .grad keeps its value."""
+    world_size = dist.get_world_size()
+    for p in model.parameters():
+        total = p.grad.clone()
+        dist.all_reduce(total)
+        p.grad.clone().div_(world_size)
+
+
+def averaged_with_avg(model: nn.Module) -> None:
+    """A correct solution other than the chapter's: the all-reduce's own mean."""
+    for p in model.parameters():
+        dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+
+
+@pytest.mark.slow
+def test_the_exercise_on_real_ranks_fails_wrong_solutions_and_passes_a_right_one(capsys):
+    """The chapter runs its reference solution; here two wrong ones and another right one."""
+    assert not dp.check_average_gradients(forgot_to_divide, world_sizes=(2,))
+    said = capsys.readouterr().out
+    assert said.startswith("2 ranks, a batch of 24: not yet right\n- every rank: every .grad")
+    assert "divide by dist.get_world_size()" in said
+    assert not dp.check_average_gradients(reduced_a_copy, world_sizes=(2,))
+    said = " ".join(capsys.readouterr().out.split())  # the message, unwrapped
+    assert "every .grad still holds this rank's own gradient: nothing was all-reduced" in said
+    assert dp.check_average_gradients(averaged_with_avg, world_sizes=(2,))
+    assert capsys.readouterr().out.endswith(
+        "passed: averaged_with_avg averages the gradients as DDP does\n"
+    )

@@ -7,38 +7,40 @@ from collections.abc import Mapping, Sequence
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
+from trainscale import _checks
 from trainscale.compute import Phase
 from trainscale.figures.style import PHASE_COLOURS, STYLE, new_figure
 
 
 def step_timeline(phases: Sequence[Phase], gpus: int, title: str | None = None) -> Figure:
-    """One data-parallel training step on ``gpus`` GPUs, one row per GPU.
+    """One data-parallel training step on ``gpus`` GPUs, drawn as one row.
 
-    Every GPU runs the same ``phases`` (from :func:`trainscale.compute.step_timeline`).
-    As in a profiler, each row has two lanes: compute on top and, below it, the
-    communication that runs alongside, so overlap with backward is visible.
+    Every GPU runs the same ``phases`` (from :func:`trainscale.compute.step_timeline`),
+    so one row stands for all of them. As in a profiler, the row has two lanes:
+    compute on top and, below it, the communication that runs alongside, so overlap
+    with backward is visible.
     """
+    n = _checks.count("gpus", gpus, minimum=1)
     with plt.rc_context(STYLE):
-        fig, ax = new_figure((7.0, 1.3 + 0.55 * gpus))
-        for gpu in range(gpus):
-            for phase in phases:
-                is_comm = phase.name == "all-reduce"
-                ax.barh(
-                    gpu + (0.2 if is_comm else -0.1),
-                    phase.end - phase.start,
-                    left=phase.start,
-                    height=0.22 if is_comm else 0.4,
-                    color=PHASE_COLOURS[phase.name],
-                    edgecolor="white",
-                    linewidth=0.5,
-                    label=phase.name if gpu == 0 else None,
-                )
+        fig, ax = new_figure((7.0, 1.85))
+        for phase in phases:
+            is_comm = phase.name == "all-reduce"
+            ax.barh(
+                0.2 if is_comm else -0.1,
+                phase.end - phase.start,
+                left=phase.start,
+                height=0.22 if is_comm else 0.4,
+                color=PHASE_COLOURS[phase.name],
+                edgecolor="white",
+                linewidth=0.5,
+                label=phase.name,
+            )
         end = max(p.end for p in phases)
-        ax.set_yticks(range(gpus), [f"GPU {g}" for g in range(gpus)])
-        ax.set_ylim(gpus - 0.5, -0.5)
+        ax.set_yticks([0], ["the GPU" if n == 1 else f"each of\n{n} GPUs"])
+        ax.set_ylim(0.5, -0.5)
         ax.set_xlim(0, end * 1.02)
         ax.set_xlabel("time within one step (s)")
-        ax.set_title(title or f"One training step on {gpus} GPU{'s' * (gpus > 1)}: {end:.2f} s")
+        ax.set_title(title or f"One training step on {n} GPU{'s' * (n > 1)}: {end:.2f} s")
         fig.legend(loc="outside lower center", ncol=len(phases))
     return fig
 

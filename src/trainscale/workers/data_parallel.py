@@ -19,7 +19,10 @@ The same file runs on a GPU node, one process per GPU, with NCCL::
 """
 
 import contextlib
+import inspect
+import textwrap
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -28,8 +31,9 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from trainscale import _checks
-from trainscale.distributed import device, torchrun_main
+from trainscale.distributed import RankError, device, run_ranks, torchrun_main
 from trainscale.memory import mlp_stack
+from trainscale.parallel import full_batch_gradient
 
 FEATURES, HIDDEN, OUTPUTS = 8, 32, 4
 """Shape of :func:`regression_model`: 8 inputs, two hidden layers of 32, 4 outputs."""
@@ -405,6 +409,181 @@ def communication_hidden_ms(buckets: list, compute_end_ms: float) -> float:
     return hidden
 
 
+# --- the exercise: average the gradients yourself -----------------------------------------
+
+EXERCISE_NAMES = {"torch": torch, "dist": dist, "nn": nn}
+"""What a reader's function finds defined on the ranks (as in the chapter's notebook)."""
+
+EXERCISE_TOLERANCE = 1e-5
+"""Largest relative difference (:func:`largest_relative_difference`) that counts as equal."""
+
+
+def exercise_worker(rank: int, world_size: int, source: str, name: str, batch: int) -> dict:
+    """One rank of :func:`check_average_gradients`: forward and backward on this rank's
+    slice of a batch of ``batch``, then the reader's ``name`` (defined by ``source``,
+    run with :data:`EXERCISE_NAMES`) on the model. Returns the ``.grad`` it left, or
+    the error it raised, as text."""
+    model = regression_model().to(device())
+    x, y = regression_data(batch)
+    part = rank_slice(batch, rank, world_size)
+    loss_fn(model(x[part].to(device())), y[part].to(device())).backward()
+    namespace = dict(EXERCISE_NAMES)
+    try:
+        exec(compile(source, f"<your {name}>", "exec"), namespace)
+        namespace[name](model)
+    except Exception as error:  # the reader's code: report it, do not crash the rank
+        return {"error": f"{type(error).__name__}: {error}"}
+    missing = [n for n, p in model.named_parameters() if p.grad is None]
+    if missing:
+        return {"error": f".grad is None for {', '.join(missing)}"}
+    return {"gradients": _gradients(model)}
+
+
+_DIAGNOSES = {
+    "local": "still hold{s} this rank's own gradient: nothing was all-reduced into "
+    "{it} (dist.all_reduce changes the tensor you pass it, in place: pass p.grad itself)",
+    "sum": "hold{s} the sum over the ranks, {n} times the full-batch gradient: divide by "
+    "dist.get_world_size()",
+    "local / ranks": "{was} divided by the number of ranks but never all-reduced",
+    "mean / ranks": "{was} divided by the number of ranks twice",
+    "other": "match{es} neither the full-batch gradient nor a typical mistake",
+}
+
+
+def _kind(got: torch.Tensor, candidates: dict[str, torch.Tensor]) -> str:
+    """Which of ``candidates`` ``got`` equals (within :data:`EXERCISE_TOLERANCE`)."""
+    for kind, expected in candidates.items():
+        if largest_relative_difference({"g": got}, {"g": expected}) < EXERCISE_TOLERANCE:
+            return kind
+    return "other"
+
+
+def _error_problem(error: str) -> str:
+    """What to say about an error a reader's function raised on a rank."""
+    if "Connection closed by peer" in error or "Timed out" in error:
+        return (
+            "waited in a collective that another rank never called: every rank must "
+            "call the same collectives, on tensors of the same shapes, in the same order"
+        )
+    if error.startswith("NameError"):
+        return (
+            f"raised {error}: the ranks define only torch, dist (torch.distributed) and "
+            "nn (torch.nn); import anything else inside your function"
+        )
+    return f"raised {error}"
+
+
+def _rank_problems(result: dict, full: dict, local: dict, n: int) -> list[str]:
+    """What is wrong with one rank's report: the kinds of mistake, by parameter."""
+    if "error" in result:
+        return [_error_problem(result["error"])]
+    kinds: dict[str, list[str]] = {}
+    for name, got in result["gradients"].items():
+        candidates = {
+            "mean": full[name],
+            "local": local[name],
+            "sum": full[name] * n,
+            "local / ranks": local[name] / n,
+            "mean / ranks": full[name] / n,
+        }
+        kinds.setdefault(_kind(got, candidates), []).append(name)
+    problems = []
+    for kind, names in kinds.items():
+        if kind == "mean":
+            continue
+        every = len(names) == len(full)
+        subject = "every .grad" if every else f"the .grad of {', '.join(names)}"
+        plural = {"s": "s", "es": "es", "it": "it", "was": "was"}
+        if not every and len(names) > 1:
+            plural = {"s": "", "es": "", "it": "them", "was": "were"}
+        problems.append(f"{subject} {_DIAGNOSES[kind].format(n=n, **plural)}")
+    return problems
+
+
+def exercise_problems(results: list[dict], batch: int) -> list[str]:
+    """What is wrong with the gradients each rank reported (empty: nothing).
+
+    Each rank's ``.grad`` is compared, parameter by parameter, with what a correct
+    average gives (the gradient of the whole batch, :func:`full_batch_gradient` in
+    this process) and with the typical mistakes: the rank's own gradient left alone,
+    the sum not divided, a division without an all-reduce, a division done twice. A
+    problem that every rank shares is said once.
+    """
+    n = len(results)
+    x, y = regression_data(batch)
+    full = full_batch_gradient(regression_model(), loss_fn, x, y)
+    by_problem: dict[str, list[int]] = {}
+    for rank, result in enumerate(results):
+        part = rank_slice(batch, rank, n)
+        local = full_batch_gradient(regression_model(), loss_fn, x[part], y[part])
+        for problem in _rank_problems(result, full, local, n):
+            by_problem.setdefault(problem, []).append(rank)
+    said = []
+    for problem, ranks in by_problem.items():
+        who = "every rank" if len(ranks) == n else "rank " + ", ".join(map(str, ranks))
+        said.append(f"{who}: {problem}")
+    return said
+
+
+def _wrapped(text: str, **indents: str) -> str:
+    """``text`` in lines of at most 76 characters, broken only at spaces."""
+    return textwrap.fill(text, 76, break_on_hyphens=False, break_long_words=False, **indents)
+
+
+def check_average_gradients(
+    average_gradients: Callable[[nn.Module], None],
+    world_sizes: tuple[int, ...] = (2, 4),
+    batch: int = 24,
+    timeout: float = 60.0,
+) -> bool:
+    """Check a reader's ``average_gradients(model)`` on real ranks; print what is wrong.
+
+    On each of ``world_sizes`` ranks (gloo processes), every rank runs forward and
+    backward on its slice of the same batch of ``batch`` examples (the chapter's small
+    model), then ``average_gradients(model)``, which must leave in each ``.grad`` the
+    mean over the ranks: the gradient of the whole batch. The function is sent as its
+    source text (ranks cannot import a notebook) and runs with ``torch``, ``dist``
+    (``torch.distributed``) and ``nn`` defined. Returns whether it passed.
+    """
+    sizes = tuple(_checks.count("world_sizes", n, minimum=2) for n in world_sizes)
+    if not sizes:
+        raise ValueError("world_sizes must name at least one number of ranks")
+    for n in sizes:
+        slice_sizes(_checks.count("batch", batch, minimum=n), n)
+        if batch % n:
+            raise ValueError(f"batch must be divisible by every world size, got {batch} and {n}")
+    try:
+        source = textwrap.dedent(inspect.getsource(average_gradients))
+    except (OSError, TypeError) as error:
+        raise ValueError(
+            f"average_gradients must be a function defined in a cell or a file, got {error}"
+        ) from None
+    name = getattr(average_gradients, "__name__", "")
+    if not name.isidentifier():
+        raise ValueError(f"average_gradients must be a function defined with def, got {name!r}")
+    for n in sizes:
+        try:
+            results = run_ranks(exercise_worker, n, source, name, batch, timeout=timeout)
+        except RankError as error:
+            first = str(error).splitlines()[0].rstrip(":")
+            said = (
+                f"{n} ranks: {first}. Every rank must call the same collectives, on tensors"
+                " of the same shapes, in the same order: a rank that waits for a partner"
+                " that never calls waits until the check gives up."
+            )
+            print(_wrapped(said))
+            return False
+        problems = exercise_problems(results, batch)
+        if problems:
+            print(f"{n} ranks, a batch of {batch}: not yet right")
+            for problem in problems:
+                print(_wrapped(problem, initial_indent="- ", subsequent_indent="  "))
+            return False
+        print(f"{n} ranks, a batch of {batch}: every rank's .grad is the full-batch gradient")
+    print(f"passed: {name} averages the gradients as DDP does")
+    return True
+
+
 def worker(rank: int, world_size: int, batch: int = 32, unequal_batch: int = 10) -> dict:
     """Every check of chapter 03 on this rank; a dict of plain results.
 
@@ -439,8 +618,6 @@ def worker(rank: int, world_size: int, batch: int = 32, unequal_batch: int = 10)
 
 def main(rank: int, world_size: int) -> None:
     """``torchrun`` entry: run :func:`worker`, compare with one process, rank 0 reports."""
-    from trainscale.parallel import full_batch_gradient
-
     batch = 4 * world_size  # equal slices for any number of ranks
     got = worker(rank, world_size, batch=batch, unequal_batch=4 * world_size + 1)
     if rank != 0:
