@@ -439,7 +439,12 @@ for scale in (1.0, 2.0**16):
 @pytest.mark.slow  # a second Python process on another kernel path
 def test_fp16_gradients_are_the_same_bits_with_another_cpu_kernel_path():
     """Torch's and MKL's kernels forced to another instruction set, as on another CPU."""
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2", "ONEDNN_MAX_CPU_ISA": "SSE41"}
+    env = {
+        **os.environ,
+        "ATEN_CPU_CAPABILITY": "default",
+        "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
+        "ONEDNN_MAX_CPU_ISA": "SSE41",
+    }
     other = subprocess.run(
         [sys.executable, "-c", _HASH_GRADIENTS], env=env, capture_output=True, text=True, check=True
     ).stdout.split()

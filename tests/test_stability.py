@@ -202,7 +202,11 @@ def test_the_model_computes_in_float64_on_fp32_weights():
         model(TINY, seed=-1)
 
 
-_OTHER_KERNELS = {"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2", "ONEDNN_MAX_CPU_ISA": "SSE41"}
+_OTHER_KERNELS = {
+    "ATEN_CPU_CAPABILITY": "default",
+    "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
+    "ONEDNN_MAX_CPU_ISA": "SSE41",
+}
 _CHAOTIC_RUN = {"peak": 0.1, "steps": 120, "optimizer": "adamw", "batch": 4}
 _LOSSES_OF_A_TINY_RUN = """
 import json, sys
