@@ -21,6 +21,7 @@ WITHIN_BUDGET = {
     "where_the_memory_goes",
     "data_parallelism",
     "collectives",
+    "sharding_zero_fsdp",
     "activation_checkpointing",
     "compute_budget",
     "measuring_efficiency",

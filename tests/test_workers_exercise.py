@@ -2,6 +2,7 @@
 themselves are tested with their chapters' worker modules)."""
 
 import pytest
+import torch
 
 from trainscale.distributed import RankError
 from trainscale.workers import exercise
@@ -44,3 +45,13 @@ def test_a_failure_is_told_in_one_line():
     assert exercise.rank_failure(hung, 60, "a hint") == (
         "the ranks did not finish within 60 s: a hint"
     )
+
+
+def test_the_bytes_a_rank_puts_in_are_its_input_whatever_the_call_form():
+    out, inp = torch.zeros(2), torch.zeros(8)
+    # The *_single forms and reduce_scatter take (output, input); the others (tensor, ...).
+    assert exercise._contribution("reduce_scatter_single", (out, inp), {}) is inp
+    assert exercise._contribution("all_gather_single", (), {"input_tensor": inp}) is inp
+    assert exercise._contribution("isend", (inp, 1), {}) is inp
+    assert exercise._contribution("all_reduce", (), {"tensor": inp}) is inp
+    assert exercise._contribution("all_gather", ([out, out], out), {}) is out

@@ -40,11 +40,13 @@ from trainscale.distributed import (
     torchrun_main,
 )
 from trainscale.workers.exercise import (
+    COLLECTIVES,
     ExerciseError,
     ExerciseReport,
     load_reader_function,
     rank_failure,
     reader_source,
+    watch_communication,
 )
 
 LOOPBACK_TX = Path("/sys/class/net/lo/statistics/tx_bytes")
@@ -303,61 +305,6 @@ EXERCISE_LENGTHS = (4, 7, 1000)
 """Lengths the reader's ring is checked on (4 ranks): one element per rank, chunks of
 unequal size, and the length whose bytes are checked against 2(N-1)/N."""
 
-_P2P_SENDS = ("send", "isend")
-_COLLECTIVES = (
-    "all_reduce",
-    "reduce_scatter",
-    "reduce_scatter_single",
-    "reduce_scatter_tensor",
-    "all_gather",
-    "all_gather_single",
-    "all_gather_into_tensor",
-    "broadcast",
-    "reduce",
-    "gather",
-    "scatter",
-    "all_to_all",
-    "all_to_all_single",
-)
-
-
-def _counting_sends(sent: list[int]) -> None:
-    """Make ``send``/``isend`` count the bytes they send into ``sent[0]``, and every
-    collective raise :class:`ExerciseError`; in this rank's process only."""
-    from torch.distributed import distributed_c10d
-
-    busy = [False]  # send() calls isend(): count the outer call only
-
-    def counted(original: Callable[..., object]) -> Callable[..., object]:
-        def send(tensor: torch.Tensor, *args: object, **kwargs: object) -> object:
-            outer = not busy[0]
-            if outer:
-                sent[0] += tensor.numel() * tensor.element_size()
-            busy[0] = True
-            try:
-                return original(tensor, *args, **kwargs)
-            finally:
-                busy[0] = not outer
-
-        return send
-
-    def refused(name: str) -> Callable[..., object]:
-        def collective(*args: object, **kwargs: object) -> object:
-            raise ExerciseError(
-                f"your ring called dist.{name}: build it from dist.isend/dist.irecv"
-                " (or dist.send/dist.recv) alone"
-            )
-
-        return collective
-
-    originals = {name: getattr(distributed_c10d, name) for name in _P2P_SENDS}
-    for module in (dist, distributed_c10d):
-        for name in _P2P_SENDS:
-            setattr(module, name, counted(originals[name]))
-        for name in _COLLECTIVES:
-            if hasattr(module, name):
-                setattr(module, name, refused(name))
-
 
 def ring_exercise_worker(
     rank: int, world_size: int, source: str, name: str, lengths: Sequence[int]
@@ -369,18 +316,20 @@ def ring_exercise_worker(
     sums = [x.clone() for x in inputs]
     for total in sums:
         dist.all_reduce(total)
-    sent = [0]
-    _counting_sends(sent)
+    sent: dict[str, int] = {}
+    why = "your ring called dist.{name}: build it from dist.isend/dist.irecv (or send/recv) alone"
+    watch_communication(sent, refuse=COLLECTIVES, why=why)
     ring = load_reader_function(source, name, {"torch": torch, "dist": dist})
     checks = []
     for x, total in zip(inputs, sums, strict=True):
-        sent[0] = 0
+        sent.clear()
         result = ring(x.clone())
         if isinstance(result, tuple):  # (total, sent), as this module's ring returns
             result = result[0]
         if not isinstance(result, torch.Tensor):
             raise ExerciseError(f"your function returned {type(result).__name__}, not a tensor")
-        checks.append({"result": result.detach().cpu(), "sum": total, "sent": sent[0]})
+        sent_bytes = sent.get("send", 0) + sent.get("isend", 0)
+        checks.append({"result": result.detach().cpu(), "sum": total, "sent": sent_bytes})
     return checks
 
 
