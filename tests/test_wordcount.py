@@ -22,6 +22,7 @@ WITHIN_BUDGET = {
     "data_parallelism",
     "collectives",
     "sharding_zero_fsdp",
+    "tensor_parallelism",
     "activation_checkpointing",
     "compute_budget",
     "measuring_efficiency",
