@@ -22,6 +22,7 @@ WITHIN_BUDGET = {
     "data_parallelism",
     "collectives",
     "activation_checkpointing",
+    "batch_size_and_learning_rate",
     "compute_budget",
     "measuring_efficiency",
     "context_parallelism",
