@@ -24,6 +24,7 @@ WITHIN_BUDGET = {
     "activation_checkpointing",
     "compute_budget",
     "measuring_efficiency",
+    "planning_a_run",
     "context_parallelism",
     "expert_parallelism",
     "the_planned_run",
