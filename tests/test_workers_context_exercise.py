@@ -64,7 +64,7 @@ def test_the_contiguous_split_is_named():
 
 def test_a_striped_split_is_told_to_mirror_the_late_chunk():
     problems = ex.check_alone(striped)
-    assert problems and "2N - 1 - r" in problems[0] and "not equal" in problems[0]
+    assert problems and "2c - 1 - r" in problems[0] and "not equal" in problems[0]
 
 
 def test_tokens_held_twice_are_listed_with_the_missing_ones():

@@ -9,7 +9,7 @@ would, and says what is wrong:
    ``layout="zigzag"`` for several lengths and rank counts: each rank holds
    ``seq_len / ranks`` positions, every position is held once, every rank sees the
    same number of visible (query, key) pairs under the causal mask, and the order
-   is chunk ``r`` then chunk ``2N - 1 - r``;
+   is chunk ``r`` then chunk ``2c - 1 - r`` (for ``c`` ranks, as chapter 14 writes it);
 2. **on real ranks**: :func:`worker` runs chapter 14's ring attention
    (:func:`trainscale.workers.context.ring_attention`) on gloo ranks with the
    reader's positions, forward and backward, and the parent compares every rank's
@@ -119,7 +119,7 @@ def _problem(held: list[list[int]], seq_len: int, ranks: int) -> str | None:
         hint = (
             "that is the contiguous split, where rank r does r + 1 blocks"
             if [sorted(g) for g in held] == contiguous
-            else "pair early chunk r with late chunk 2N - 1 - r, of 2N chunks"
+            else "pair early chunk r with late chunk 2c - 1 - r, of 2c chunks"
         )
         return (
             f"{_tokens_on(seq_len, ranks)}: visible (query, key) pairs per rank"
@@ -130,10 +130,10 @@ def _problem(held: list[list[int]], seq_len: int, ranks: int) -> str | None:
         if got != want:
             same = sorted(got) == sorted(want)
             why = (
-                "the right tokens in another order: chunk r first, then chunk 2N - 1 - r,"
+                "the right tokens in another order: chunk r first, then chunk 2c - 1 - r,"
                 " as the rank's tensor holds them"
                 if same
-                else "rank r holds chunks r and 2N - 1 - r of 2N"
+                else "rank r holds chunks r and 2c - 1 - r of 2c"
             )
             return f"positions({seq_len}, {ranks}, {rank}) returned {got}, expected {want}: {why}"
     return None
