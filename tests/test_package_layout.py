@@ -1,5 +1,5 @@
 """The package's layout: one test file per module, and no module imports one from a higher layer
-(nor, inside the planner package, one later in its order)."""
+(nor, inside the planner and the capstone's packages, one later in its order)."""
 
 import ast
 import re
@@ -38,7 +38,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # 4: what a reader sees.
     ("figures.*", "widgets", "quiz"),
     # 5: what puts it all together.
-    ("planner.*", "train", "launch", "__main__"),
+    ("planner.*", "train.*", "launch", "__main__"),
 )
 """Layers, lowest first: a module may import modules of its own layer or lower ones."""
 
@@ -63,10 +63,37 @@ PLANNER_ORDER: tuple[str, ...] = (
 planner is given to its command line: a module may import only those before it (the
 package's ``__init__`` re-exports the model for chapter 13; the command line builds on it)."""
 
-PACKAGE_TEST_FILES = {"planner": "test_planner.py", "experts": "test_experts.py"}
+TRAIN_ORDER: tuple[str, ...] = (
+    "train.shapes",
+    "train.config",
+    "train.data",
+    "train.parity",
+    "train.stages",
+    "train.parallelize",
+    "train.checkpoints",
+    "train.loop",
+    "train.estimate",
+    "train.cli",
+    "train.__init__",
+    "train.__main__",
+)
+"""The capstone's package in torchtitan's split by concern, inner layers first: the model
+shapes, the flags and the layout, the data, parity, the stages on the meta device, the
+parallelisms, the checkpoints, the loop, the command line; the package's ``__init__``
+re-exports them and ``__main__`` runs the command line."""
+
+PACKAGE_ORDERS = {"planner": PLANNER_ORDER, "train": TRAIN_ORDER}
+"""The packages whose modules keep an order, by package."""
+
+PACKAGE_TEST_FILES = {
+    "planner": "test_planner.py",
+    "experts": "test_experts.py",
+    "train": "test_train.py",
+}
 """Packages whose modules share one test file: the planner was one module until it was
 split by chapter 13's sections, and ``tests/test_planner.py`` tests it through the
-package's names. A module of such a package with a test file of its own
+package's names; the capstone's likewise (``train.py`` became ``trainscale/train/``),
+through ``tests/test_train.py``. A module of such a package with a test file of its own
 (``planner.cli`` -> ``test_planner_cli.py``) is tested there instead."""
 
 SHARED_TEST_FILES = {
@@ -74,6 +101,7 @@ SHARED_TEST_FILES = {
     "planner.arguments": "test_planner_cli.py",  # the command line's flags and presets
     "planner.explain": "test_planner_cli.py",  # --explain
     "planner.__main__": "test_planner_cli.py",  # runs python -m trainscale.planner
+    "train.__main__": "test_train.py",  # runs python -m trainscale.train
 }
 """Modules tested in another module's test file, and why."""
 
@@ -199,17 +227,24 @@ def defined_names(module: str) -> set[str]:
     return names - {"__all__"}
 
 
+def later_imports(order: tuple[str, ...]) -> set[tuple[str, str]]:
+    """Every ``(importer, imported)`` pair inside one package where ``imported`` comes at
+    or after ``importer`` in ``order`` (:data:`PACKAGE_ORDERS`): a cycle, or a reach
+    outward from an inner layer."""
+    position = order.index
+    pairs = set()
+    for module in order:
+        source = PACKAGE.joinpath(*module.split(".")).with_suffix(".py").read_text()
+        for imported in imported_modules(source, module):
+            if imported in order and position(imported) >= position(module):
+                pairs.add((module, imported))
+    return pairs
+
+
 def later_planner_imports() -> set[tuple[str, str]]:
     """Every ``(importer, imported)`` pair inside the planner package where ``imported``
     comes at or after ``importer`` in :data:`PLANNER_ORDER`."""
-    order = PLANNER_ORDER.index
-    pairs = set()
-    for module in PLANNER_ORDER:
-        source = PACKAGE.joinpath(*module.split(".")).with_suffix(".py").read_text()
-        for imported in imported_modules(source, module):
-            if imported in PLANNER_ORDER and order(imported) >= order(module):
-                pairs.add((module, imported))
-    return pairs
+    return later_imports(PLANNER_ORDER)
 
 
 # --- one test file per module -------------------------------------------------------------
@@ -260,7 +295,7 @@ def test_test_file_names_follow_the_modules():
 
 def test_the_package_has_only_the_subpackages_the_rules_know():
     folders = {_module_name(p).split(".")[0] for p in PACKAGE.rglob("*/*.py")}
-    assert folders == {"figures", "workers", "planner", "experts"}
+    assert folders == {"figures", "workers", "planner", "experts", "train"}
 
 
 # --- the layers -----------------------------------------------------------------------------
@@ -287,6 +322,29 @@ def test_the_planner_order_names_every_module_of_the_package():
 
 def test_no_planner_module_imports_one_later_in_the_order():
     assert later_planner_imports() == set()
+
+
+@pytest.mark.parametrize("package", sorted(PACKAGE_ORDERS))
+def test_each_ordered_package_names_its_modules_and_keeps_its_order(package):
+    order = PACKAGE_ORDERS[package]
+    assert sorted(order) == [m for m in _modules() if m.startswith(f"{package}.")]
+    assert later_imports(order) == set()
+
+
+def test_the_capstones_order_is_what_its_modules_import():
+    # Not vacuous: the loop builds on the layout, the data and the checkpoints; the
+    # layout reaches chapter 06's tensor-parallel plan, one layer down.
+    source = PACKAGE.joinpath("train", "loop.py").read_text()
+    imported = imported_modules(source, "train.loop")
+    assert {"train.config", "train.data", "train.parallelize", "train.checkpoints"} <= imported
+    plan = imported_modules(
+        PACKAGE.joinpath("train", "parallelize.py").read_text(), "train.parallelize"
+    )
+    assert "workers.tensor_parallel" in plan
+    source = "def f():\n    from trainscale.train.loop import train\n    return train\n"
+    position = TRAIN_ORDER.index
+    reached = imported_modules(source, "train.config")
+    assert [m for m in reached if position(m) > position("train.config")] == ["train.loop"]
 
 
 def test_the_planner_order_is_what_its_modules_import():
@@ -350,6 +408,8 @@ def draw():
         ("planner.__init__", 5),
         ("planner.kernels", 5),
         ("planner.__main__", 5),
+        ("train.__init__", 5),
+        ("train.loop", 5),
     ],
 )
 def test_layers_by_hand(module, layer):

@@ -263,11 +263,25 @@ def test_an_interleaved_layout_keeps_its_schedule_on_the_laptop(example):
         planner_cli.laptop_flags(interleaved, 8, peak_flops=0)
 
 
-def test_a_model_unlike_the_capstones_gpt_block_gets_a_note():
-    llama = planner_cli.presets()["llama-3-405b-on-16384-h100s-8k-tokens"].model
-    (note, _) = planner_cli._shape_note(llama)
-    assert "not this model's 8 key-value heads and a gated MLP of width 53,248" in note
+def test_a_llama_shaped_model_is_built_by_the_capstone_as_planned():
+    # The capstone takes grouped-query attention and a gated MLP of its own width
+    # (issue 24): the command says so, no note is needed, and the runner builds the shape.
+    request = planner_cli.parse(["--model", "llama-3-70b", "--top", "1"])
+    llama = request.model
+    assert planner_cli._shape_note(llama) == []
     assert planner_cli._shape_note(planner.EXAMPLE_MODEL) == []
+    plans = planner.plan(llama, request.cluster, request.global_batch)
+    layout = planner.top_layouts(plans, 1)[0]
+    flags = planner_cli.train_flags(layout, llama, 989e12)
+    assert flags[flags.index("--kv-heads") + 1] == "8"
+    assert flags[flags.index("--ffn") + 1] == "28672"
+    config = train.model_config(train.parse_args(flags))
+    assert (config.mlp, config.norm, config.position, config.bias) == (
+        "swiglu",
+        "rmsnorm",
+        "rope",
+        False,
+    )
 
 
 def test_a_published_run_is_shown_next_to_the_planners_range_for_it():

@@ -1,6 +1,8 @@
 """transformer: the book's one GPT, its attention, its exact parameter count and the
 FLOPs it really runs."""
 
+import math
+
 import pytest
 import torch
 from hypothesis import given
@@ -436,3 +438,154 @@ def test_an_attention_function_set_on_a_block_replaces_attend():
         block.attention.attend_fn = naive
     torch.testing.assert_close(model(tokens), before, rtol=1e-5, atol=1e-6)
     assert calls == [(2, 3, 8, 4)] * 2  # once per block: (batch, heads, seq, head width)
+
+
+# --- the Llama switches ---------------------------------------------------------------------
+
+LLAMA_TINY = GPTConfig(
+    vocab=50, context=16, d_model=32, layers=2, heads=4, kv_heads=2, d_ff=40, tied=False,
+    rope_theta=500_000.0, **transformer.LLAMA_SHAPE,
+)  # fmt: skip
+
+
+def test_a_tiny_llama_by_hand():
+    # d = 32, 4 heads of 8, 2 kv heads, SwiGLU of 40, RMSNorm, rotary, no biases, untied:
+    # qkv 32 x (4 + 2 x 2) x 8 = 2,048, proj 1,024, mlp 3 x 32 x 40 = 3,840, per layer;
+    # norms (2 x 2 + 1) x 32 = 160; embedding and head 2 x 50 x 32 = 3,200.
+    counts = parameter_counts(LLAMA_TINY)
+    assert counts == {
+        "token embedding": 1_600,
+        "position embedding": 0,
+        "attention": 2 * (2_048 + 1_024),
+        "mlp": 2 * 3_840,
+        "layer norms": 160,
+        "head": 1_600,
+    }
+    model = gpt(LLAMA_TINY)
+    assert sum(p.numel() for p in model.parameters()) == sum(counts.values()) == 17_184
+    assert model.position_embedding is None
+    assert isinstance(model.final_norm, torch.nn.RMSNorm)
+    assert not any(name.endswith("bias") for name, _ in model.named_parameters())
+    assert matmul_weights(LLAMA_TINY) == 2 * (2_048 + 1_024 + 3_840) + 32 * 50
+
+
+@given(
+    heads=st.sampled_from([1, 2, 4]),
+    group=st.sampled_from([1, 2, 4]),
+    mlp=st.sampled_from(transformer.MLPS),
+    norm=st.sampled_from(transformer.NORMS),
+    position=st.sampled_from(transformer.POSITIONS),
+    bias=st.booleans(),
+    tied=st.booleans(),
+    qk_norm=st.booleans(),
+)
+def test_parameter_counts_match_for_any_switches(
+    heads, group, mlp, norm, position, bias, tied, qk_norm
+):
+    kv_heads = max(1, heads // group)
+    config = GPTConfig(
+        vocab=11, context=6, d_model=4 * heads, layers=2, heads=heads, kv_heads=kv_heads,
+        d_ff=12, mlp=mlp, norm=norm, position=position, bias=bias, tied=tied, qk_norm=qk_norm,
+    )  # fmt: skip
+    model = gpt(config)
+    assert sum(p.numel() for p in model.parameters()) == sum(parameter_counts(config).values())
+    assert model(torch.zeros(1, 6, dtype=torch.long)).shape == (1, 6, 11)
+
+
+def test_grouped_query_attention_is_multi_head_attention_with_shared_keys_and_values():
+    # Copying each kv head's rows into the query heads it serves gives a model with as
+    # many kv heads as heads that computes the same function.
+    grouped = gpt(LLAMA_TINY, seed=2)
+    full_config = GPTConfig(**{**LLAMA_TINY.__dict__, "kv_heads": 0})
+    full = gpt(full_config, seed=0)
+    full.load_state_dict(
+        {k: v for k, v in grouped.state_dict().items() if "qkv" not in k}, strict=False
+    )
+    with torch.no_grad():
+        for a, b in zip(grouped.blocks, full.blocks, strict=True):
+            q, k, v = a.attention.qkv.weight.split((32, 16, 16))
+            expand = [t.view(2, 8, 32).repeat_interleave(2, dim=0).reshape(32, 32) for t in (k, v)]
+            b.attention.qkv.weight.copy_(torch.cat([q, *expand]))
+    tokens = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(0))
+    assert torch.allclose(grouped(tokens), full(tokens), atol=1e-6)
+
+
+@pytest.mark.parametrize("attention", transformer.ATTENTION)
+def test_grouped_qkv_layouts_compute_the_same_function(attention):
+    blocked = GPTConfig(**{**LLAMA_TINY.__dict__, "attention": attention})
+    by_head = GPTConfig(**{**blocked.__dict__, "qkv_layout": "by_head"})
+    tokens = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(1))
+    assert torch.allclose(gpt(blocked, seed=4)(tokens), gpt(by_head, seed=4)(tokens), atol=1e-6)
+
+
+def test_the_grouped_head_by_head_order_by_hand():
+    # d = 8, 4 heads of 2, 2 kv heads: blocked rows q 0-7, k 8-11, v 12-15; group 0 is
+    # q heads 0 and 1 (rows 0-3), k head 0 (8, 9), v head 0 (12, 13).
+    order = transformer.qkv_by_head_order(8, 4, kv_heads=2).tolist()
+    assert order == [0, 1, 2, 3, 8, 9, 12, 13, 4, 5, 6, 7, 10, 11, 14, 15]
+    assert transformer.qkv_by_head_order(8, 4, 4).tolist() == (
+        transformer.qkv_by_head_order(8, 4).tolist()
+    )
+
+
+def test_rotary_scores_depend_on_the_distance_only():
+    # q at position m and k at n: (R_m q) . (R_n k) depends on m - n alone; at 0, nothing turns.
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 1, 8, generator=g, dtype=torch.float64)
+    turned = [
+        transformer.rotate(t, torch.tensor([p]), 10_000.0) for t, p in ((q, 5), (k, 2), (q, 13))
+    ]
+    far = transformer.rotate(k, torch.tensor([10]), 10_000.0)
+    assert (turned[0] * turned[1]).sum() == pytest.approx((turned[2] * far).sum().item())
+    assert torch.equal(transformer.rotate(q, torch.tensor([0]), 10_000.0), q)
+    # one pair by hand: (1, 0) at position 1 and frequency 1 turns by one radian
+    x = torch.tensor([[1.0, 0.0]])
+    turned_once = transformer.rotate(x, torch.tensor([1]), 10_000.0)[0].tolist()
+    assert turned_once == pytest.approx([math.cos(1.0), math.sin(1.0)])
+
+
+def test_rotary_positions_can_be_given_to_a_block():
+    # A context-parallel rank holds tokens that do not start at 0: its attention takes
+    # their positions and turns its queries and keys as the whole sequence does there.
+    attention = gpt(LLAMA_TINY, seed=1).blocks[0].attention
+    x = torch.randn(1, 16, 32, generator=torch.Generator().manual_seed(2))
+    seen = []
+
+    def keep(q, k, v):
+        seen.append((q, k))
+        return attend(q, k, v)
+
+    attention.attend_fn = keep
+    attention(x)
+    attention.positions = torch.arange(8, 16)
+    attention(x[:, 8:])
+    (q, k), (q_late, k_late) = seen
+    assert torch.allclose(q_late, q[:, :, 8:], atol=1e-6)
+    assert torch.allclose(k_late, k[:, :, 8:], atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"kv_heads": 3}, "kv_heads"),
+        ({"kv_heads": -1}, "kv_heads"),
+        ({"mlp": "relu"}, "mlp"),
+        ({"norm": "batchnorm"}, "norm"),
+        ({"position": "alibi"}, "position"),
+        ({"rope_theta": 0.0}, "rope_theta"),
+        ({"position": "rope", "d_model": 12, "heads": 4}, "position"),
+        ({"bias": 1}, "bias"),
+    ],
+)
+def test_the_llama_switches_name_a_bad_argument(kwargs, name):
+    with pytest.raises(ValueError, match=rf"^{name} must|^position='rope' needs"):
+        GPTConfig(**{"d_model": 16, "heads": 4, **kwargs})
+
+
+def test_fused_grouped_attention_equals_keys_and_values_copied_per_head():
+    # With SDPA the kernel reads each key-value head for its group (enable_gqa): autograd
+    # keeps kv_heads heads of keys and values, not heads; the function is the same as
+    # the written-out attention over copied keys and values.
+    fused = GPTConfig(**{**LLAMA_TINY.__dict__, "attention": "sdpa"})
+    tokens = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(3))
+    assert torch.allclose(gpt(fused, seed=5)(tokens), gpt(LLAMA_TINY, seed=5)(tokens), atol=1e-5)

@@ -66,6 +66,7 @@ FIELDS = (
     "selective_recompute",
     "context_parallel_style",
     "linear_dtype",
+    "fused_elementwise",
     *OVERLAP_FIELDS,
 )
 """Every field of :class:`Software` that describes the stack (all but ``name``, ``title``
@@ -99,7 +100,10 @@ class Software:
     * ``sequence_parallel_style``: one of :data:`SEQUENCE_PARALLEL_STYLES`;
       ``selective_recompute``: one of :data:`SELECTIVE_RECOMPUTE`;
       ``context_parallel_style``: one of :data:`CONTEXT_PARALLEL_STYLES`;
-      ``linear_dtype``: one of :data:`LINEAR_DTYPES`;
+      ``linear_dtype``: one of :data:`LINEAR_DTYPES`; ``fused_elementwise``: the
+      norms, activations and rotary embeddings run as fused kernels that keep only their
+      inputs (Korthikanti et al.'s count), or as separate eager PyTorch ops, each keeping
+      what its backward needs (:func:`trainscale.planner.memory.eager_layer_activation_bytes`);
     * what hides under compute: ``overlap_grad_reduce`` (the data-parallel gradient
       reduction under the backward), ``overlap_param_gather`` (ZeRO's weight all-gather
       under the forward), ``overlap_tp_comm`` (the backward's tensor-parallel
@@ -124,6 +128,7 @@ class Software:
     selective_recompute: str = "scores"
     context_parallel_style: str = "ring"
     linear_dtype: str = "bf16"
+    fused_elementwise: bool = True
     overlap_grad_reduce: bool | None = None
     overlap_param_gather: bool | None = None
     overlap_tp_comm: bool | None = None
@@ -134,7 +139,13 @@ class Software:
         for name in ("name", "title"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"{name} must be a non-empty string, got {getattr(self, name)!r}")
-        for name in ("fused_attention", "dropout", "pipeline_interleaving", "reduce_after_flush"):
+        for name in (
+            "fused_attention",
+            "dropout",
+            "pipeline_interleaving",
+            "reduce_after_flush",
+            "fused_elementwise",
+        ):
             _checks.boolean(name, getattr(self, name))
         _checks.boolean(
             "interleaving_divides_micro_batches", self.interleaving_divides_micro_batches
@@ -261,7 +272,7 @@ SOFTWARE: dict[str, Software] = {
         _preset(
             "planner-default",
             "the planner's default stack",
-            dict.fromkeys(FIELDS[:13], _ASSUMED),
+            dict.fromkeys(FIELDS[:14], _ASSUMED),
             fused_attention=True,
             dropout=True,
             gradient_reduce_dtype="bf16",
@@ -270,6 +281,8 @@ SOFTWARE: dict[str, Software] = {
             "megatron-lm-2021",
             "Megatron-LM (2021)",
             {
+                "fused_elementwise": f"{_MEGATRON_2021}: fused layer norm and the bias-GeLU and "
+                "bias-dropout-add fusions, which keep what Korthikanti et al. count",
                 "fused_attention": f"{_MEGATRON_2021}: a fused softmax that still writes the "
                 "s x s scores; FlashAttention (arXiv 2205.14135) came in May 2022",
                 "dropout": f"{_MEGATRON_2021} megatron/arguments.py:337-340, "
@@ -303,6 +316,8 @@ SOFTWARE: dict[str, Software] = {
             "megatron-lm-2022",
             "Megatron-LM (2022, sequence parallelism and selective recomputation)",
             {
+                "fused_elementwise": f"{_MEGATRON_2022}: fused layer norm and the bias-GeLU and "
+                "bias-dropout-add fusions (Korthikanti et al.'s count)",
                 "fused_attention": f"{_MEGATRON_2022}: Megatron's fused softmax (scores "
                 "written to memory)",
                 "dropout": f"{_MEGATRON_2022} megatron/arguments.py: --attention-dropout and "
@@ -415,6 +430,8 @@ SOFTWARE: dict[str, Software] = {
                 "selective_recompute": f"{TORCHTITAN} torchtitan/distributed/"
                 "activation_checkpoint.py:243-271, the 'op' policy: every other mm saved, the "
                 "rest recomputed",
+                "fused_elementwise": f"{TORCHTITAN} torchtitan/models/llama3/model.py: "
+                "RMSNorm, rotary embedding and SiLU as eager ops (compile off by default)",
                 "overlap_grad_reduce": "PyTorch FSDP2 (fully_shard): gradients reduce-scattered "
                 "during the backward, layer by layer",
                 "overlap_param_gather": "PyTorch FSDP2 (fully_shard): the next layer's "
@@ -429,6 +446,7 @@ SOFTWARE: dict[str, Software] = {
             gradient_reduce_dtype="fp32",
             sequence_parallel_style="keep gathered",
             selective_recompute="every other matmul",
+            fused_elementwise=False,
             overlap_grad_reduce=True,
             overlap_param_gather=True,
             overlap_tp_comm=False,
@@ -438,6 +456,8 @@ SOFTWARE: dict[str, Software] = {
             "megatron-core-te",
             "Megatron-Core with Transformer Engine (its defaults)",
             {
+                "fused_elementwise": f"{_CORE}: Transformer Engine's fused norm-linear and "
+                "activation kernels",
                 "fused_attention": f"{_CORE} megatron/core/transformer/transformer_config.py:151,"
                 " attention_backend = AttnBackend.auto (Transformer Engine's fused kernels)",
                 "dropout": f"{_CORE} transformer_config.py:188-191, hidden_dropout and "
@@ -475,6 +495,8 @@ SOFTWARE: dict[str, Software] = {
             "megatron-core-r0.8",
             "Megatron-Core r0.8.0, tuned (its README's H100 scaling runs)",
             {
+                "fused_elementwise": f"{_CORE_08}: Transformer Engine's fused norm-linear and "
+                "activation kernels",
                 "fused_attention": f"{_CORE_08} megatron/training/arguments.py:668, "
                 "--transformer-impl transformer_engine by default (Transformer Engine's fused "
                 "attention)",
@@ -525,6 +547,10 @@ SOFTWARE: dict[str, Software] = {
                     "selective_recompute": f"{_TITAN_2024} torchtitan/parallelisms/"
                     "parallelize_llama.py:214-276, selective_ac_option 'op': an mm's output "
                     "saved when its count is odd, everything else recomputed",
+                    "fused_elementwise": f"{_TITAN_2024} torchtitan/models/norms.py and "
+                    "models/llama/model.py: RMSNorm, rotary embedding and SiLU as eager ops "
+                    "(norm_type 'rmsnorm'); torch.compile fuses them"
+                    + (" (this preset)" if suffix else " (not this preset)"),
                     "overlap_grad_reduce": "PyTorch FSDP2 (fully_shard): gradients "
                     "reduce-scattered during the backward, layer by layer",
                     "overlap_param_gather": "PyTorch FSDP2 (fully_shard): the next layer's "
@@ -539,6 +565,7 @@ SOFTWARE: dict[str, Software] = {
                 gradient_reduce_dtype="fp32",
                 sequence_parallel_style="keep gathered",
                 selective_recompute="every other matmul",
+                fused_elementwise=bool(suffix),
                 overlap_grad_reduce=True,
                 overlap_param_gather=True,
                 overlap_tp_comm=False,

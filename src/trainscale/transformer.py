@@ -1,10 +1,24 @@
-"""The book's one GPT-style decoder: its attention, its block, its model (chapters 09-13).
+"""The book's one GPT-style decoder: its attention, its block, its model (chapters 09-16).
 
 The model is the usual stack: token and position embeddings, ``layers`` pre-LN
 blocks (layer norm, causal multi-head self-attention, residual add; layer norm,
 MLP, residual add), a final layer norm and a linear head onto the vocabulary,
 whose weight may be *tied* to the token embedding. :class:`GPTConfig` holds
-its shape and the switches the chapters turn:
+its shape and the switches the chapters turn. GPT-2's shape is the default; four
+switches make it Llama's (Touvron et al. 2023, arXiv 2302.13971; Dubey et al. 2024,
+arXiv 2407.21783), each on its own:
+
+- ``kv_heads``: grouped-query attention (Ainslie et al. 2023, arXiv 2305.13245):
+  ``kv_heads`` key-value heads, each shared by ``heads / kv_heads`` query heads;
+- ``mlp="swiglu"``: the gated MLP ``down(silu(gate(x)) * up(x))`` (Shazeer 2020,
+  arXiv 2002.05202), ``d_ff`` wide;
+- ``norm="rmsnorm"``: RMSNorm (Zhang and Sennrich 2019, arXiv 1910.07467), a scale
+  and no shift;
+- ``position="rope"``: rotary position embeddings on queries and keys (Su et al.
+  2021, arXiv 2104.09864), base ``rope_theta``, instead of a learned position table;
+
+and ``bias=False`` drops the biases of every linear layer, as Llama does.
+:data:`LLAMA_SHAPE` lists the switches of a Llama shape.
 
 - ``attention="naive"`` writes attention out as two matrix products (scores
   ``q @ k^T`` and the weighted sum ``p @ v``) with an explicit softmax, so that
@@ -52,7 +66,25 @@ ATTENTION = ("naive", "sdpa")
 
 QKV_LAYOUTS = ("blocked", "by_head")
 """How the rows of the fused ``qkv`` projection are ordered: all queries, then all keys,
-then all values; or head by head (a head's query, key and value rows together)."""
+then all values; or head by head (a head's query, key and value rows together; with
+grouped-query attention, group by group: the group's query heads, then its key and value)."""
+
+MLPS = ("gelu", "swiglu")
+"""The MLP: ``d_model -> d_ff``, GELU, ``d_ff -> d_model``; or SwiGLU's gated three matrices."""
+
+NORMS = ("layernorm", "rmsnorm")
+"""The normalisation of each block and of the final stream."""
+
+POSITIONS = ("learned", "rope")
+"""Where positions enter: a learned table added to the token embeddings, or rotary
+embeddings applied to every block's queries and keys."""
+
+LLAMA_SHAPE = {"mlp": "swiglu", "norm": "rmsnorm", "position": "rope", "bias": False}
+"""The switches of a Llama-shaped :class:`GPTConfig` (with its own ``kv_heads``, ``d_ff``
+and ``rope_theta``), untied (``tied=False``)."""
+
+NORM_EPS = 1e-5
+"""Both norms' epsilon, LayerNorm's default and Llama's RMSNorm's."""
 
 
 @dataclass(frozen=True)
@@ -71,7 +103,10 @@ class GPTConfig:
     1-byte mask per element, as on a GPU, instead of one in the activations' dtype.
     ``qk_norm=True`` adds a layer norm (weight and bias over one head's
     ``d_model / heads`` features) on the queries and one on the keys of every block.
-    ``qkv_layout`` is one of :data:`QKV_LAYOUTS`.
+    ``qkv_layout`` is one of :data:`QKV_LAYOUTS`. ``kv_heads`` (0: ``heads``) must
+    divide ``heads``; ``mlp``, ``norm`` and ``position`` are one of :data:`MLPS`,
+    :data:`NORMS` and :data:`POSITIONS`; ``rope_theta`` is the rotary base (used with
+    ``position="rope"``); ``bias`` gives every linear layer but the head a bias.
     """
 
     vocab: int = 64
@@ -87,6 +122,12 @@ class GPTConfig:
     recompute: str = "none"
     qk_norm: bool = False
     qkv_layout: str = "blocked"
+    kv_heads: int = 0
+    mlp: str = "gelu"
+    norm: str = "layernorm"
+    position: str = "learned"
+    rope_theta: float = 10_000.0
+    bias: bool = True
 
     def __post_init__(self) -> None:
         for name in ("vocab", "context", "d_model", "layers", "heads"):
@@ -102,6 +143,18 @@ class GPTConfig:
         _checks.choice("recompute", self.recompute, RECOMPUTE)
         _checks.boolean("qk_norm", self.qk_norm)
         _checks.choice("qkv_layout", self.qkv_layout, QKV_LAYOUTS)
+        if self.heads % (_checks.count("kv_heads", self.kv_heads) or self.heads):
+            raise ValueError(f"kv_heads must divide heads = {self.heads}, got {self.kv_heads!r}")
+        _checks.choice("mlp", self.mlp, MLPS)
+        _checks.choice("norm", self.norm, NORMS)
+        _checks.choice("position", self.position, POSITIONS)
+        _checks.positive("rope_theta", self.rope_theta)
+        if self.position == "rope" and (self.d_model // self.heads) % 2:
+            raise ValueError(
+                f"position='rope' needs an even head width, got d_model / heads = "
+                f"{self.d_model // self.heads}"
+            )
+        _checks.boolean("bias", self.bias)
         if self.recompute == "selective" and self.attention != "naive":
             raise ValueError(
                 f"recompute='selective' needs attention='naive', got {self.attention!r}"
@@ -112,6 +165,21 @@ class GPTConfig:
         """Hidden features of each MLP: ``d_ff``, or ``4 * d_model`` if it is 0."""
         return self.d_ff or 4 * self.d_model
 
+    @property
+    def groups(self) -> int:
+        """Key-value heads: ``kv_heads``, or ``heads`` (multi-head attention) if it is 0."""
+        return self.kv_heads or self.heads
+
+    @property
+    def head_width(self) -> int:
+        """Features of one head, ``d_model / heads``."""
+        return self.d_model // self.heads
+
+    @property
+    def qkv_rows(self) -> int:
+        """Output features of the fused ``qkv`` projection: ``(heads + 2 kv_heads)`` heads."""
+        return (self.heads + 2 * self.groups) * self.head_width
+
 
 def _check_config(config: object) -> GPTConfig:
     if not isinstance(config, GPTConfig):
@@ -119,7 +187,28 @@ def _check_config(config: object) -> GPTConfig:
     return config
 
 
+def norm(config: GPTConfig, features: int) -> nn.Module:
+    """The config's normalisation over ``features``: ``nn.LayerNorm`` or ``nn.RMSNorm``."""
+    if config.norm == "rmsnorm":
+        return nn.RMSNorm(features, eps=NORM_EPS)
+    return nn.LayerNorm(features)
+
+
 # --- attention ---------------------------------------------------------------------------
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary position embedding of ``x`` (``(..., seq, head width)``) at ``positions``
+    (``seq`` token indices): each pair of features ``(2i, 2i + 1)`` is turned by the
+    angle ``position * theta ** (-2i / head width)`` (Su et al. 2021; the pairing of
+    Meta's Llama code). The dot product of a rotated query and key then depends on their
+    positions only through their difference."""
+    width = x.shape[-1]
+    exponents = torch.arange(0, width, 2, device=x.device, dtype=torch.float32) / width
+    angles = positions.to(torch.float32)[:, None] * theta**-exponents
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
 
 
 def dropout(x: torch.Tensor, p: float, training: bool, fused: bool = False) -> torch.Tensor:
@@ -196,26 +285,50 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
-        self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
-        self.proj = nn.Linear(config.d_model, config.d_model)
+        self.qkv = nn.Linear(config.d_model, config.qkv_rows, bias=config.bias)
+        self.proj = nn.Linear(config.d_model, config.d_model, bias=config.bias)
         if config.qk_norm:  # over each head's features, shared by the heads
-            self.q_norm = nn.LayerNorm(config.d_model // config.heads)
-            self.k_norm = nn.LayerNorm(config.d_model // config.heads)
+            self.q_norm = norm(config, config.head_width)
+            self.k_norm = norm(config, config.head_width)
         self.attend_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None
         self.attend_fn = None
+        self.positions: torch.Tensor | None = None  # of the tokens, for rotary embeddings
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, width = x.shape
         c = self.config
-        if c.qkv_layout == "by_head":  # (batch, seq, heads, 3, head width), heads inferred
-            fused = self.qkv(x).view(batch, seq, -1, 3, c.d_model // c.heads)
-            q, k, v = (t.transpose(1, 2) for t in fused.unbind(dim=3))
-        else:
+        share = c.heads // c.groups  # query heads per key-value head
+        if c.qkv_layout == "by_head":  # (batch, seq, groups, share + 2, head width)
+            fused = self.qkv(x).view(batch, seq, -1, share + 2, c.head_width)
+            if share == 1:
+                q, k, v = (t.transpose(1, 2) for t in fused.unbind(dim=3))
+            else:
+                q = fused[:, :, :, :share].flatten(2, 3).transpose(1, 2)
+                k, v = (fused[:, :, :, i].transpose(1, 2) for i in (share, share + 1))
+        elif share == 1:
             q, k, v = self.qkv(x).split(width, dim=-1)
             # (batch, seq, width) -> (batch, heads, seq, head width)
             q, k, v = (t.view(batch, seq, c.heads, -1).transpose(1, 2) for t in (q, k, v))
+        else:
+            kv_width = c.groups * c.head_width
+            q, k, v = self.qkv(x).split((width, kv_width, kv_width), dim=-1)
+            q, k, v = (t.view(batch, seq, -1, c.head_width).transpose(1, 2) for t in (q, k, v))
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
+        if c.position == "rope":
+            positions = self.positions
+            if positions is None:
+                positions = torch.arange(seq, device=x.device)
+            q, k = rotate(q, positions, c.rope_theta), rotate(k, positions, c.rope_theta)
+        fused_groups = share > 1 and c.attention == "sdpa" and self.attend_fn is None
+        if fused_groups and c.recompute != "selective":  # the kernel reads each kv head once
+            out = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=c.dropout if self.training else 0.0, is_causal=True,
+                enable_gqa=True,
+            )  # fmt: skip
+            return self.proj(out.transpose(1, 2).reshape(batch, seq, -1))
+        if share > 1:  # each key-value head serves its group's query heads
+            k, v = k.repeat_interleave(share, dim=1), v.repeat_interleave(share, dim=1)
         options = {
             "kind": c.attention,
             "dropout_p": c.dropout,
@@ -231,22 +344,40 @@ class CausalSelfAttention(nn.Module):
         return self.proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
+class GatedMLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``, ``d_model -> hidden -> d_model``."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.gate = nn.Linear(config.d_model, config.hidden, bias=config.bias)
+        self.up = nn.Linear(config.d_model, config.hidden, bias=config.bias)
+        self.down = nn.Linear(config.hidden, config.d_model, bias=config.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
 class Block(nn.Module):
     """One pre-LN block: ``x + dropout(attention(norm(x)))``, then
     ``x + dropout(mlp(norm(x)))``, on ``(batch, seq, d_model)``; the MLP is
-    ``d_model -> hidden``, GELU, ``hidden -> d_model``."""
+    ``d_model -> hidden``, GELU, ``hidden -> d_model`` (``mlp.0``, ``mlp.2``), or
+    :class:`GatedMLP`."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = _check_config(config)
-        self.norm1 = nn.LayerNorm(config.d_model)
+        self.norm1 = norm(config, config.d_model)
         self.attention = CausalSelfAttention(config)
-        self.norm2 = nn.LayerNorm(config.d_model)
-        self.mlp = nn.Sequential(
-            nn.Linear(config.d_model, config.hidden),
-            nn.GELU(),
-            nn.Linear(config.hidden, config.d_model),
-        )
+        self.norm2 = norm(config, config.d_model)
+        self.mlp: nn.Module
+        if config.mlp == "swiglu":
+            self.mlp = GatedMLP(config)
+        else:
+            self.mlp = nn.Sequential(
+                nn.Linear(config.d_model, config.hidden, bias=config.bias),
+                nn.GELU(),
+                nn.Linear(config.hidden, config.d_model, bias=config.bias),
+            )
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         return dropout(x, self.config.dropout, self.training, self.config.fused_dropout)
@@ -268,9 +399,11 @@ class GPT(nn.Module):
         super().__init__()
         self.config = _check_config(config)
         self.token_embedding = nn.Embedding(config.vocab, config.d_model)
-        self.position_embedding = nn.Embedding(config.context, config.d_model)
+        self.position_embedding: nn.Embedding | None = None
+        if config.position == "learned":
+            self.position_embedding = nn.Embedding(config.context, config.d_model)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.layers))
-        self.final_norm = nn.LayerNorm(config.d_model)
+        self.final_norm = norm(config, config.d_model)
         self.head = nn.Linear(config.d_model, config.vocab, bias=False)
         if config.tied:
             self.head.weight = self.token_embedding.weight
@@ -281,8 +414,9 @@ class GPT(nn.Module):
             raise ValueError(
                 f"tokens must hold 1 to context = {self.config.context} positions, got {seq}"
             )
-        positions = torch.arange(seq, device=tokens.device)
-        x = self.token_embedding(tokens) + self.position_embedding(positions)
+        x = self.token_embedding(tokens)
+        if self.position_embedding is not None:
+            x = x + self.position_embedding(torch.arange(seq, device=tokens.device))
         recompute = self.config.recompute == "full" and torch.is_grad_enabled()
         for block in self.blocks:
             x = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
@@ -312,60 +446,90 @@ def gpt(config: GPTConfig, seed: int = 0, dtype: torch.dtype = torch.float32) ->
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = GPT(config).to(dtype)
-        residual_std = 0.02 / math.sqrt(2 * config.layers)
         for name, param in model.named_parameters():
-            if name.endswith("bias"):
-                nn.init.zeros_(param)
-            elif "norm" in name:
-                nn.init.ones_(param)
-            elif name.endswith(("proj.weight", "mlp.2.weight")):
-                nn.init.normal_(param, std=residual_std)
-            else:
-                nn.init.normal_(param, std=0.02)
+            init_parameter(config, name, param)
         if config.qkv_layout == "by_head":
             _store_qkv_by_head(model)
     return model
 
 
-def qkv_by_head_order(d_model: int, heads: int) -> torch.Tensor:
+RESIDUAL_WEIGHTS = ("proj.weight", "mlp.2.weight", "mlp.down.weight")
+"""The matrices that write into the residual stream, whose initial spread shrinks with
+depth (:func:`init_parameter`)."""
+
+
+@torch.no_grad()
+def init_parameter(
+    config: GPTConfig, name: str, param: torch.Tensor, generator: torch.Generator | None = None
+) -> None:
+    """Draw parameter ``name`` of ``GPT(config)`` in place, by GPT-2's rule: biases 0,
+    norm scales 1, the :data:`RESIDUAL_WEIGHTS` from N(0, (0.02 / sqrt(2 layers))²),
+    every other matrix and embedding from N(0, 0.02²); from ``generator`` (``None``: the
+    global one). :func:`gpt` draws every parameter this way in turn; the capstone draws
+    each from a generator of its own (:mod:`trainscale.train.parallelize`)."""
+    if name.endswith("bias"):
+        nn.init.zeros_(param)
+    elif "norm" in name:
+        nn.init.ones_(param)
+    elif name.endswith(RESIDUAL_WEIGHTS):
+        nn.init.normal_(param, std=0.02 / math.sqrt(2 * config.layers), generator=generator)
+    else:
+        nn.init.normal_(param, std=0.02, generator=generator)
+
+
+def qkv_by_head_order(d_model: int, heads: int, kv_heads: int = 0) -> torch.Tensor:
     """Row ``i`` of a head-by-head ``qkv`` matrix is row ``order[i]`` of the blocked one.
 
     Blocked rows are ``[q (d_model), k (d_model), v (d_model)]``, each ``heads``
     runs of ``d_model / heads``; head by head they are ``[q_0, k_0, v_0, q_1, ...]``.
+    With ``kv_heads`` key-value heads (0: ``heads``), keys and values have ``kv_heads``
+    runs each, and the rows go group by group: the ``heads / kv_heads`` query heads of
+    group ``g``, then its key and its value (``[q_0, q_1, k_0, v_0, q_2, ...]`` for 2
+    query heads per group), so that an equal contiguous block of rows is whole groups.
     """
     head = d_model // heads
-    blocked = torch.arange(3 * d_model).view(3, heads, head)  # (q/k/v, head, feature)
-    return blocked.transpose(0, 1).reshape(-1)
+    groups = kv_heads or heads
+    share = heads // groups
+    q = torch.arange(d_model).view(groups, share * head)
+    k = d_model + torch.arange(groups * head).view(groups, head)
+    v = d_model + groups * head + torch.arange(groups * head).view(groups, head)
+    return torch.cat((q, k, v), dim=1).reshape(-1)
 
 
 @torch.no_grad()
 def _store_qkv_by_head(model: GPT) -> None:
     """Reorder every block's ``qkv`` rows from blocked to head by head, in place."""
-    order = qkv_by_head_order(model.config.d_model, model.config.heads)
+    c = model.config
+    order = qkv_by_head_order(c.d_model, c.heads, c.kv_heads)
     for block in model.blocks:
         block.attention.qkv.weight.copy_(block.attention.qkv.weight[order])
-        block.attention.qkv.bias.copy_(block.attention.qkv.bias[order])
+        if block.attention.qkv.bias is not None:
+            block.attention.qkv.bias.copy_(block.attention.qkv.bias[order])
 
 
 def parameter_counts(config: GPTConfig) -> dict[str, int]:
     """The exact number of parameters of each part of ``GPT(config)``.
 
-    Keys: ``"token embedding"``, ``"position embedding"``, ``"attention"``
-    (query, key, value and output matrices with their biases, all layers),
-    ``"mlp"``, ``"layer norms"`` (two per block and the final one) and
+    Keys: ``"token embedding"``, ``"position embedding"`` (0 with rotary
+    embeddings), ``"attention"`` (query, key, value and output matrices with their
+    biases, all layers), ``"mlp"``, ``"layer norms"`` (two per block and the final
+    one; a layer norm has a scale and a shift, ``2 d_model``, an RMSNorm a scale) and
     ``"head"`` (0 when tied: it reuses the token embedding). ``qk_norm`` adds two
-    norms of ``2 * d_model / heads`` parameters per block to ``"layer norms"``. The values add up
+    norms of one head's width per block to ``"layer norms"``. The values add up
     to ``sum(p.numel() for p in model.parameters())``.
     """
     _check_config(config)
     d, hidden, layers = config.d_model, config.hidden, config.layers
+    qkv, bias = config.qkv_rows, int(config.bias)
+    matrices = 3 if config.mlp == "swiglu" else 2
+    per_norm = 2 if config.norm == "layernorm" else 1
+    head_norms = 2 * layers * per_norm * config.head_width if config.qk_norm else 0
     return {
         "token embedding": config.vocab * d,
-        "position embedding": config.context * d,
-        "attention": layers * (4 * d * d + 4 * d),
-        "mlp": layers * (2 * d * hidden + hidden + d),
-        "layer norms": (2 * layers + 1) * 2 * d
-        + (layers * 4 * d // config.heads if config.qk_norm else 0),
+        "position embedding": config.context * d if config.position == "learned" else 0,
+        "attention": layers * (d * qkv + d * d + bias * (qkv + d)),
+        "mlp": layers * (matrices * d * hidden + bias * ((matrices - 1) * hidden + d)),
+        "layer norms": (2 * layers + 1) * per_norm * d + head_norms,
         "head": 0 if config.tied else config.vocab * d,
     }
 
@@ -382,14 +546,17 @@ def matmul_weights(config: GPTConfig) -> int:
 
     The four attention matrices and two MLP matrices of every block
     (``2 * d_model * (2 * d_model + d_ff)`` per layer, ``12 * d_model**2`` when
-    ``d_ff = 4 * d_model``) and the head (``d_model * vocab``, counted even when
-    tied, since the head multiplies by it). Embedding look-ups, biases and layer
-    norms are not matrix products. Each of these weights costs 2 FLOPs per token
-    forward and 4 backward.
+    ``d_ff = 4 * d_model``; with ``kv_heads`` the key and value matrices are
+    ``kv_heads / heads`` of that, and SwiGLU has three MLP matrices) and the head
+    (``d_model * vocab``, counted even when tied, since the head multiplies by it).
+    Embedding look-ups, biases and norms are not matrix products. Each of these
+    weights costs 2 FLOPs per token forward and 4 backward.
     """
     _check_config(config)
     d = config.d_model
-    return config.layers * 2 * d * (2 * d + config.hidden) + d * config.vocab
+    matrices = 3 if config.mlp == "swiglu" else 2
+    per_layer = d * config.qkv_rows + d * d + matrices * d * config.hidden
+    return config.layers * per_layer + d * config.vocab
 
 
 class TransformerLayer(Block):

@@ -7,11 +7,13 @@ CPU processes; :func:`refusal` says whether the capstone takes the flags, and
 
 How a planner layout becomes the capstone's flags (:func:`train_flags`): ZeRO-0
 is plain replication (``--dp-replicate``); ZeRO-1, 2 and 3 become FSDP2's
-sharding (``--dp-shard``), which shards parameters as well (ZeRO-3), so it needs
-no more memory than the planner counted; selective recomputation becomes
-``--checkpoint-activations``, which recomputes whole blocks (more compute, less
-memory than planned); an interleaving depth above 1 becomes ``--pp-schedule
-interleaved --virtual-stages V``.
+sharding (``--dp-shard``) with ``--zero N``: under ZeRO-1 and 2 FSDP2 keeps the
+gathered weights from forward to backward, as the planner assumes (FSDP2 has no
+ZeRO-1, so ``--zero 1`` shards gradients too: less memory than planned);
+recomputation becomes ``--recompute selective`` (torch's selective activation
+checkpointing) or ``--recompute full``; an interleaving depth above 1 becomes
+``--pp-schedule interleaved --virtual-stages V``; a model's key-value heads, MLP
+width and gated MLP become ``--kv-heads``, ``--ffn`` and Llama's switches.
 
 Where the printed commands listen: on a cluster, ``torchrun`` on each node meets the
 others through the c10d rendezvous on ``$HEAD_NODE:29500``, which the head node's
@@ -32,8 +34,27 @@ from trainscale import _checks, planner
 
 
 def _data_parallel_flags(zero_stage: int, dp: int) -> list[str]:
-    """ZeRO-0 replicates (DDP); any ZeRO stage shards with FSDP2 (ZeRO-3)."""
-    return ["--dp-replicate", str(dp)] if zero_stage == 0 else ["--dp-shard", str(dp)]
+    """ZeRO-0 replicates (DDP); any ZeRO stage shards with FSDP2 at that stage."""
+    if zero_stage == 0:
+        return ["--dp-replicate", str(dp)]
+    return ["--dp-shard", str(dp), "--zero", str(zero_stage)]
+
+
+def _recompute_flags(recompute: str) -> list[str]:
+    return [] if recompute == "none" else ["--recompute", recompute]
+
+
+def _shape_flags(model: planner.Model) -> list[str]:
+    """A model's key-value heads and MLP, when not GPT-2's: a gated MLP is Llama's
+    (SwiGLU, RMSNorm, rotary embeddings, no biases)."""
+    flags = []
+    if model.kv_heads not in (None, model.heads):
+        flags += ["--kv-heads", str(model.kv_heads)]
+    if model.ffn_hidden not in (None, 4 * model.hidden):
+        flags += ["--ffn", str(model.ffn_hidden)]
+    if model.gated_mlp:
+        flags += ["--mlp", "swiglu", "--norm", "rmsnorm", "--position", "rope", "--no-bias"]
+    return flags
 
 
 def _schedule_flags(pp: int, virtual_stages: int) -> list[str]:
@@ -55,10 +76,11 @@ def train_flags(layout: planner.Layout, model: planner.Model, peak_flops: float)
         *(["--cp", str(layout.cp)] if layout.cp > 1 else []),  # ring attention, chapter 14
         *_schedule_flags(layout.pp, layout.virtual_stages),
         *("--micro-batch", str(layout.micro_batch), "--grad-accum", str(layout.accumulation)),
-        *(["--checkpoint-activations"] if layout.recompute != "none" else []),
+        *_recompute_flags(layout.recompute),
         "--bf16",
         *("--layers", str(model.layers), "--width", str(model.hidden)),
         *("--heads", str(model.heads), "--seq-len", str(model.seq_len)),
+        *_shape_flags(model),
         *("--vocab", str(model.vocab), "--peak-flops", f"{peak_flops:g}"),
     ]
     return flags
@@ -128,7 +150,7 @@ def laptop_flags(layout: planner.Layout, ranks: int, peak_flops: float | None = 
         *_data_parallel_flags(layout.zero_stage, dp),
         *_schedule_flags(pp, virtual),
         *("--micro-batch", str(tiny["micro_batch"]), "--grad-accum", str(2 * pp)),
-        *(["--checkpoint-activations"] if layout.recompute != "none" else []),
+        *_recompute_flags(layout.recompute),
         *("--layers", str(layers), "--width", str(tiny["head_dim"] * heads)),
         *("--heads", str(heads), "--seq-len", str(tp * math.ceil(tiny["seq_len"] / tp))),
         *("--vocab", str(tiny["vocab"])),
@@ -184,21 +206,13 @@ def refusal(flags: list[str], ranks: int) -> str | None:
 
 
 def _shape_note(model: planner.Model) -> list[str]:
-    """A note when the capstone's decoder (multi-head attention, a plain 4h MLP) differs
-    from the planned model's shape."""
-    differences = []
-    if model.kv_heads not in (None, model.heads):
-        differences.append(f"{model.kv_heads} key-value heads")
-    if model.experts:
-        differences.append(f"{model.experts} experts (chapter 15; the capstone has none)")
-    if model.ffn_hidden not in (None, 4 * model.hidden) or model.gated_mlp:
-        gated = "gated " if model.gated_mlp else ""
-        differences.append(f"a {gated}MLP of width {model.ffn_hidden or 4 * model.hidden:,}")
-    if not differences:
+    """A note when the capstone's decoder cannot take the planned model's shape: its
+    experts (grouped-query attention, the MLP's width and a gated MLP it takes)."""
+    if not model.experts:
         return []
     return [
-        f"note: trainscale.train builds a GPT block (as many key-value heads as heads, an MLP"
-        f" of width 4 x --width), not this model's {' and '.join(differences)}",
+        f"note: trainscale.train builds a dense decoder, not this model's {model.experts}"
+        " experts (chapter 15; the capstone has none)",
         "",
     ]
 

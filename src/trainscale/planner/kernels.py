@@ -18,7 +18,10 @@ from trainscale import _checks
 from trainscale.checkpointing import layer_activation_bytes
 from trainscale.context import CAUSAL_WORK_SHARE
 from trainscale.planner.inputs import Cluster, Model, published_cluster, published_model
-from trainscale.planner.memory import every_other_matmul_share
+from trainscale.planner.memory import (
+    eager_layer_activation_bytes,
+    every_other_matmul_share,
+)
 from trainscale.planner.traffic import _tensor_collective_seconds
 from trainscale.planner.unknowns import CENTRAL, ELEMENTWISE_TRAFFIC, Unknowns, band_value
 from trainscale.published import GPUS, published_runs
@@ -118,10 +121,12 @@ def _layer_times(
     c: int = 1,
     ep: int = 1,
     linear_dtype: str = "bf16",
+    fused_elementwise: bool = True,
 ) -> tuple[float, float, float]:
     """:func:`_layer_times_at` at one setting of the ``unknowns``: the GEMM share and the
     attention kernel's rate of :func:`_rates`, the element-wise traffic and tile overhead;
-    the linear layers in ``linear_dtype`` (:func:`_linear_rate`)."""
+    the linear layers in ``linear_dtype`` (:func:`_linear_rate`), the element-wise work
+    fused or eager (``fused_elementwise``)."""
     share, attention_rate = _rates(cluster, unknowns)
     return _layer_times_at(
         model,
@@ -136,6 +141,7 @@ def _layer_times(
         unknowns.tile_overhead,
         attention_rate,
         _linear_rate(cluster, unknowns, linear_dtype),
+        fused_elementwise,
     )
 
 
@@ -219,6 +225,7 @@ def _layer_times_at(
     overhead: float = 1.0,
     attention_rate: float | None = None,
     linear: tuple[float, float] | None = None,
+    fused_elementwise: bool = True,
 ) -> tuple[float, float, float]:
     """Seconds of one layer on one GPU: ``(forward, its attention-score part, backward)``.
 
@@ -231,9 +238,12 @@ def _layer_times_at(
     a fused kernel is not a GEMM, and runs at its own measured share of peak; ``None``:
     the GEMM share's). ``linear``: ``(peak, share)`` of the linear layers' GEMMs when they
     run in FP8 (:func:`_linear_rate`; ``None``: as the others). Their FP8 casts and scaling
-    are not counted: part of why FP8 is less validated. Backward, each GEMM's two
-    gradient GEMMs at their own shapes (:func:`_forward_and_backward`); a fused
-    attention kernel's :data:`FUSED_BACKWARD_PASSES` times its forward. Plus the
+    are not counted: part of why FP8 is less validated. ``fused_elementwise`` false: the
+    element-wise traffic is charged on what eager ops keep
+    (:func:`trainscale.planner.memory.eager_layer_activation_bytes`), not the fused count.
+    Backward, each GEMM's two gradient GEMMs at their own shapes
+    (:func:`_forward_and_backward`); a fused attention kernel's
+    :data:`FUSED_BACKWARD_PASSES` times its forward. Plus the
     element-wise kernels: ``traffic`` (:data:`ELEMENTWISE_TRAFFIC`) x the bytes the
     layer keeps (:func:`trainscale.checkpointing.layer_activation_bytes`, without the
     ``5 a s^2 b`` scores when attention is fused) at the memory bandwidth, a third of it
@@ -274,6 +284,8 @@ def _layer_times_at(
     pairs = b * a / t  # (sequence, head) pairs on this GPU
     shape = model.layer_shape
     kept = layer_activation_bytes(s // c, b, h, a, t, sp, "none", **shape)
+    if not fused_elementwise and model.gated_mlp:
+        kept = eager_layer_activation_bytes(model, s // c, b, t, sp)
     if shape["fused_attention"]:  # the software's, where the model leaves it
         rate = peak * share if attention_rate is None else attention_rate
         scores, scores_back = _fused_attention_seconds(pairs, s / c, s, d, rate)
@@ -385,6 +397,7 @@ def _roofline(
     ep: int = 1,
     selective: str = "scores",
     linear_dtype: str = "bf16",
+    fused_elementwise: bool = True,
 ) -> tuple[float, float, float]:
     """Forward, backward and recomputation seconds of one micro-batch on the slowest stage.
 
@@ -403,7 +416,9 @@ def _roofline(
     of the forward GEMMs' time, taken as their FLOP share, and the forward's element-wise
     time).
     """
-    layer, score, layer_back = _layer_times(model, cluster, t, b, sp, unknowns, c, ep, linear_dtype)
+    layer, score, layer_back = _layer_times(
+        model, cluster, t, b, sp, unknowns, c, ep, linear_dtype, fused_elementwise
+    )
     rows, share = b * model.seq_len / c, _rates(cluster, unknowns)[0]
     bw = cluster.memory_bandwidth
     gemm = functools.partial(
@@ -424,7 +439,7 @@ def _roofline(
         linear = _linear_rate(cluster, unknowns, linear_dtype)
         bare = _layer_times_at(
             *(model, cluster, t, b, sp, rates[0], 0.0, c, ep),
-            *(unknowns.tile_overhead, rates[1], linear),
+            *(unknowns.tile_overhead, rates[1], linear, fused_elementwise),
         )[0]  # the forward without its element-wise kernels
         again = every_other_matmul_share(model) * (bare - score) + (layer - bare)
     elif selective == "core attention" or not model.layer_shape["fused_attention"]:

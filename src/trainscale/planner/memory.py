@@ -136,13 +136,8 @@ def _activations(
     software: Software = DEFAULT_SOFTWARE,
 ) -> float:
     """Activation bytes on the fullest pipeline stage (see :func:`activation_bytes_per_gpu`)."""
-    s, h, a, vocab = model.seq_len // c, model.hidden, model.heads, model.vocab
-    if mode == "selective" and software.selective_recompute == "every other matmul":
-        per_layer = every_other_matmul_bytes(model, s, b, t, sp)
-    else:
-        keep = sp and t > 1 and software.sequence_parallel_style == "keep gathered"
-        shape = {**model.layer_shape, "keep_gathered_inputs": keep}
-        per_layer = layer_activation_bytes(s, b, h, a, t, sp, mode, **shape)
+    s, h, vocab = model.seq_len // c, model.hidden, model.vocab
+    per_layer = kept_per_layer(model, s, b, t, sp, mode, software)
     t_sp = t if sp else 1
     embedding = s * b * h / t_sp if model.layer_shape["dropout"] else 0.0  # 1-byte dropout mask
     output = 4 * s * b * h / t_sp + 4 * s * b * vocab / t  # final norm, output input, fp32 logits
@@ -174,6 +169,61 @@ def _activations(
     middle = min(v * p + p - 3, v * m) * per_chunk * per_layer if p > 2 else 0.0
     last = last_chunks * last_per_chunk * per_layer + output
     return max(first, middle if short else 0.0, last)
+
+
+def eager_layer_activation_bytes(
+    model: Model, s: int, b: int, t: int, sp: bool, keep_gathered: bool = False
+) -> float:
+    """Bytes one gated (Llama-shaped) layer keeps for backward when its element-wise work
+    runs as separate eager PyTorch ops, as torchtitan's model runs it
+    (torchtitan/models/llama/model.py and models/norms.py at 9dec370), with a fused attention
+    kernel and no recomputation; per token of ``s x b`` on one of ``t`` tensor-parallel ranks,
+    16-bit activations:
+
+    * each RMSNorm (two per layer) computes in fp32: it keeps its fp32 input copy, the
+      16-bit normalised value its weight multiplies and the weighted output the next
+      products read, ``4h + 2h + 2h``; split by TP with sequence parallelism, and with
+      DTensor's plan (``keep_gathered``) the gathered output kept whole, ``2h (1 - 1/t)``
+      more;
+    * the rotary embedding keeps nothing per token (the product's other operand, the
+      rotation, needs no gradient);
+    * the attention kernel keeps its queries, its keys and values repeated to every head
+      (``repeat_kv``), its output (the output projection's input too) and its fp32 per-row
+      statistic, ``4 x 2h + 4a``;
+    * the gated MLP keeps the gate's and the up projection's outputs, the SiLU output and
+      the product, ``4 x 2f``.
+
+    Per layer ``24 h + 8 f + 4 a`` bytes per token without TP, about 52 ``h`` for Llama 3
+    8B, against Korthikanti et al.'s count for fused kernels
+    (:func:`trainscale.checkpointing.layer_activation_bytes`); ``tests/test_planner_unknowns.py``
+    checks it against what autograd keeps for an eager block written that way. A layer that
+    is not gated (LayerNorm and GeLU are single ATen ops that keep their inputs) keeps
+    Korthikanti et al.'s count; so does every layer of a stack whose ``fused_elementwise``
+    is true."""
+    h, a = model.hidden, model.heads
+    f = model.top_k * model.expert_width if model.experts else model.ffn_hidden or 4 * h
+    norms = 2 * (4 * h + 2 * h + 2 * h) / (t if sp else 1)
+    gathered = 2 * 2 * h * (1 - 1 / t) if sp and keep_gathered else 0.0
+    attention = (4 * 2 * h + 4 * a) / t
+    mlp = 4 * 2 * f / t
+    return s * b * (norms + gathered + attention + mlp)
+
+
+def kept_per_layer(
+    model: Model, s: int, b: int, t: int, sp: bool, mode: str, software: Software
+) -> float:
+    """Bytes one layer keeps for backward on one GPU under ``software``: torchtitan's per-op
+    selective policy (:func:`every_other_matmul_bytes`), an eager gated layer's ops
+    (:func:`eager_layer_activation_bytes`) or Korthikanti et al.'s count
+    (:func:`trainscale.checkpointing.layer_activation_bytes`), the only one that
+    applies to full recomputation (the layer's input)."""
+    keep = sp and t > 1 and software.sequence_parallel_style == "keep gathered"
+    if mode == "selective" and software.selective_recompute == "every other matmul":
+        return every_other_matmul_bytes(model, s, b, t, sp)
+    if mode != "full" and not software.fused_elementwise and model.gated_mlp:
+        return eager_layer_activation_bytes(model, s, b, t, sp, keep)
+    shape = {**model.layer_shape, "keep_gathered_inputs": keep}
+    return layer_activation_bytes(s, b, model.hidden, model.heads, t, sp, mode, **shape)
 
 
 def layer_matmuls(model: Model) -> list[tuple[int, int, bool]]:

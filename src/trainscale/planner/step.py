@@ -198,10 +198,13 @@ def _evaluate(problem: _Problem, shape: _Shape, opt: _Options) -> Layout:
         stack = opt.software
         forward, backward, recompute = _roofline(
             *(model, cluster, t, b, per_stage, mode, sp, unknowns, short, c, ep),
-            *(stack.selective_recompute, stack.linear_dtype),
+            *(stack.selective_recompute, stack.linear_dtype, stack.fused_elementwise),
         )
         compute = forward + backward
-        attention = _layer_times(model, cluster, t, b, sp, unknowns, c, ep, stack.linear_dtype)[1]
+        attention = _layer_times(
+            *(model, cluster, t, b, sp, unknowns, c, ep),
+            *(stack.linear_dtype, stack.fused_elementwise),
+        )[1]
     else:
         rate = cluster.peak_flops * opt.efficiency
         six = sum(FLOPS_PER_PARAM_PER_TOKEN.values())

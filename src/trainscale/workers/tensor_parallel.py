@@ -185,9 +185,21 @@ def block_input(batch: int = 2, seq: int = 8, hidden: int = 16, seed: int = 0) -
     )
 
 
-def block_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
+Part = tuple[str, tuple[str, ...], str]
+"""One sublayer of a block for :func:`block_plan`: ``(module, column-parallel matrices,
+row-parallel matrix)``, the matrices named inside the module (``("mlp", ("up",), "down")``)."""
+
+
+def block_plan(
+    sequence_parallel: bool,
+    *,
+    attention: Part = ("attention", ("q", "k", "v"), "o"),
+    mlp: Part = ("mlp", ("up",), "down"),
+    norms: tuple[str, ...] = ("attention_norm", "mlp_norm"),
+) -> dict[str, ParallelStyle]:
     """The DTensor plan of a :class:`Block`: Megatron's split, with or without sequence
-    parallelism.
+    parallelism. The one plan of the package: the capstone applies it to its decoder's
+    blocks (:func:`trainscale.train.parallelize.tensor_parallel_plan`), under their names.
 
     Both plans split ``q``, ``k``, ``v`` and ``up`` column-wise and ``o`` and
     ``down`` row-wise, and give attention and the MLP their input as one
@@ -200,18 +212,21 @@ def block_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
     (``Shard(1)``) on each rank: the row-wise outputs are reduce-scattered into it,
     and the input of attention and of the MLP is all-gathered from it. This is the
     plan of torchtitan's Llama and of PyTorch's tensor-parallel tutorial.
+    ``attention`` and ``mlp`` name a block's two sublayers and their matrices
+    (:data:`Part`), ``norms`` its layer norms, for a block whose names are not
+    :class:`Block`'s.
     """
     sp = _checks.boolean("sequence_parallel", sequence_parallel)
     stream = Shard(1) if sp else Replicate()  # the residual stream between the blocks
     plan: dict[str, ParallelStyle] = {}
-    for part, first, second in (("attention", ("q", "k", "v"), "o"), ("mlp", ("up",), "down")):
+    for part, first, second in (attention, mlp):
         plan[part] = PrepareModuleInput(
             input_layouts=(stream,), desired_input_layouts=(Replicate(),), use_local_output=False
         )
         plan |= {f"{part}.{name}": ColwiseParallel() for name in first}
         plan[f"{part}.{second}"] = RowwiseParallel(output_layouts=stream)
     if sp:
-        plan |= {"attention_norm": SequenceParallel(), "mlp_norm": SequenceParallel()}
+        plan |= {norm: SequenceParallel() for norm in norms}
     return plan
 
 
