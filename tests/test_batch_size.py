@@ -14,6 +14,7 @@ from trainscale.batch_size import (
     noise_estimates,
     optimal_lr_share,
     per_example_gradients,
+    scaled_learning_rate,
     simple_noise_scale,
     steps_ratio,
     two_batch_estimates,
@@ -124,6 +125,23 @@ def test_small_batches_follow_the_linear_scaling_rule():
     )
 
 
+def test_scaled_learning_rate_by_hand():
+    # Goyal et al.: 0.1 per 256 images, 8,192 images -> 0.1 x 32 = 3.2 (linear);
+    # the square-root rule gives 0.1 x sqrt(32) = 0.5657; exponent 0 keeps 0.1.
+    assert scaled_learning_rate(0.1, 256, 8192) == pytest.approx(3.2)
+    assert scaled_learning_rate(0.1, 256, 8192, exponent=0.5) == pytest.approx(0.565685, rel=1e-6)
+    assert scaled_learning_rate(0.1, 256, 8192, exponent=0.0) == 0.1
+
+
+@given(st.floats(1e-6, 1.0), st.floats(1.0, 1e4), st.floats(1.0, 1e4), st.floats(0.0, 1.0))
+def test_scaling_there_and_back_is_the_identity(lr, batch, new_batch, exponent):
+    there = scaled_learning_rate(lr, batch, new_batch, exponent)
+    assert scaled_learning_rate(there, new_batch, batch, exponent) == pytest.approx(lr)
+    # a larger batch never lowers the rate, and the linear rule gives the most
+    if new_batch >= batch:
+        assert lr <= there <= scaled_learning_rate(lr, batch, new_batch) * (1 + 1e-12)
+
+
 def test_per_example_gradients_of_the_gpt_match_one_backward_per_example():
     config = GPTConfig(vocab=8, context=6, d_model=8, layers=1, heads=2)
     model = gpt(config, seed=1, dtype=torch.float64)
@@ -156,6 +174,10 @@ def test_per_example_gradients_of_the_gpt_match_one_backward_per_example():
         (lambda: steps_ratio(0, 1), "batch"),
         (lambda: examples_ratio(1, 0), "noise_scale"),
         (lambda: optimal_lr_share(1, -1), "noise_scale"),
+        (lambda: scaled_learning_rate(0.0, 1, 2), "lr"),
+        (lambda: scaled_learning_rate(1e-3, 0, 2), "batch"),
+        (lambda: scaled_learning_rate(1e-3, 1, -2), "new_batch"),
+        (lambda: scaled_learning_rate(1e-3, 1, 2, exponent=1.5), "exponent"),
         (lambda: per_example_gradients("net", torch.ones(2, 1), torch.ones(2), None), "model"),
         (
             lambda: per_example_gradients(Line([1.0]), torch.ones(2, 1), torch.ones(3), None),

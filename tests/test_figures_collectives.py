@@ -99,6 +99,21 @@ def test_alpha_beta_figure_draws_the_points_the_fit_and_both_terms():
     assert ax.get_yscale() == "log"
 
 
+def test_alpha_beta_figure_labels_several_ticks_within_one_decade():
+    # Issue #25: a log axis spanning less than a decade showed one tick label ("10^1").
+    from trainscale.collectives import AlphaBeta
+
+    fit = AlphaBeta(latency=1e-3, bandwidth=1e9, ranks=4)
+    sizes = [4096, 65536, 2**20]  # 6.0 to 6.8 ms: well inside one decade
+    fig = figures.alpha_beta_fit(sizes, [fit.seconds(s) for s in sizes], fit)
+    ax = fig.axes[0]
+    fig.canvas.draw()
+    low, high = ax.get_ylim()
+    shown = [t.get_text() for t in ax.get_yticklabels() if low <= t.get_position()[1] <= high]
+    assert len([text for text in shown if text]) >= 3, shown
+    assert "What this CPU shows" in ax.get_title()
+
+
 def test_exposed_communication_shades_only_where_an_all_reduce_is_longer():
     from trainscale.collectives import data_parallel_step, dp_hiding_threshold_tokens
 

@@ -40,14 +40,20 @@ def test_calibration_figure_draws_one_range_per_run():
         planner_calibration([0.3], [], ["a"])
 
 
-def test_context_and_expert_traffic_appear_in_the_legend_only_when_spent(layouts_70b):
+def test_a_part_is_drawn_and_named_only_where_some_bar_shows_it(layouts_70b):
     no_cp = [lay for lay in layouts_70b if lay.cp == 1]
-    dense = planner_top_layouts(P.top_layouts(no_cp, 2), H100.memory_bytes)
-    labels = dense.legends[0].get_texts()
-    assert [text.get_text() for text in labels] == [
-        part
-        for part in P.TIME_PARTS
-        if part not in ("context-parallel traffic", "expert-parallel traffic")
+    best = P.top_layouts(no_cp, 2)
+    dense = planner_top_layouts(best, H100.memory_bytes)
+    labels = [text.get_text() for text in dense.legends[0].get_texts()]
+    # Neither layout recomputes, and the optimiser step is 0.03 % of each step (under
+    # half a per cent): neither is named; pipeline sends, at 0.16 % and 0.32 %, are not
+    # either. Compute, TP and DP traffic and the bubble are.
+    assert all(lay.recompute == "none" for lay in best)
+    assert labels == [
+        "compute",
+        "tensor-parallel traffic",
+        "data-parallel traffic",
+        "pipeline bubble",
     ]
     long = P.LONG_CONTEXT_MODEL
     cluster = P.Cluster(nodes=2, **P.H100_NODE)

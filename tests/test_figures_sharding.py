@@ -21,6 +21,7 @@ def test_memory_timeline_and_accumulation_traffic_draw():
     totals = [m.total for m in moments]
     fig = figures.fsdp_memory_timeline({"a": (moments, totals)}, ["u0", "u1"], "test")
     assert len(fig.axes) == 1 and len(fig.axes[0].patches) == 5 * len(moments)
+    assert fig.axes[0].get_ylabel() == "MiB held"  # the book's binary units (issue #25)
     with pytest.raises(ValueError, match="measured"):
         figures.fsdp_memory_timeline({"a": (moments, totals[:2])}, ["u0", "u1"], "test")
     with pytest.raises(ValueError, match="panels"):
@@ -31,3 +32,16 @@ def test_memory_timeline_and_accumulation_traffic_draw():
     assert fig.axes[0].get_ylabel() == "bytes per step / DDP's"
     with pytest.raises(ValueError, match="first setup"):
         figures.zero_accumulation_traffic([1], {"DDP": [0]}, {}, "t")
+
+
+def test_a_long_memory_timeline_title_is_wrapped_inside_the_figure():
+    # Issue #25: the chapter's title was clipped at both ends of the figure.
+    moments = fsdp_memory_moments([[(4, 2)], [(3,)]], 2, rank=0)
+    totals = [m.total for m in moments]
+    title = "What rank 0 holds at each moment of a step (bars: model; dots: measured)"
+    fig = figures.fsdp_memory_timeline({"a": (moments, totals)}, ["u0", "u1"], title)
+    fig.canvas.draw()
+    box = fig._suptitle.get_window_extent()
+    width = fig.get_window_extent().width
+    assert "\n" in fig._suptitle.get_text()
+    assert box.x0 >= 0 and box.x1 <= width

@@ -24,6 +24,7 @@ from trainscale.stability import (
     linear_scaling_gap,
     model,
     noise_scale_run,
+    outcome,
     sample_batches,
     sequence_loss,
     train,
@@ -142,9 +143,11 @@ def test_runs_side_by_side_are_the_runs_one_after_another_bit_for_bit():
     torch.manual_seed(0)  # dropout draws from the global generator
     together = train_many(runs, threads=3)
     torch.manual_seed(0)
+    all_at_once = train_many(runs)  # the default: a thread per run
+    torch.manual_seed(0)
     one_by_one = {name: train(**kwargs) for name, kwargs in runs.items()}
-    assert list(together) == list(runs)
-    assert together == one_by_one
+    assert list(together) == list(all_at_once) == list(runs)
+    assert together == all_at_once == one_by_one
     assert torch.get_num_threads() == threads
 
 
@@ -178,6 +181,17 @@ def test_a_diverged_run_ends_with_a_non_finite_loss_or_one_above_the_limit():
     assert Run((2.0, math.inf), (1.0, math.inf), (1, 1), 10).diverged
     assert not Run((2.0, LOSS_LIMIT), (1.0, 1.0), (1, 1), 2).diverged  # at the limit: not past it
     assert not Run((2.0, 1.0), (1.0, 1.0), (1, 1), 2).diverged
+
+
+def test_the_outcome_line_by_hand():
+    # Stopped after its third loss: step 2. Survived: the mean of the last 20 losses,
+    # here 2.0 (all equal), is 25 % above a best of 1.6.
+    blown = Run((2.0, 5.0, 150.0), (1.0, 1.0, 1.0), (1, 1, 1), 10)
+    assert outcome(blown, 1.6) == f"diverged, loss above {LOSS_LIMIT:g} nats at step 2"
+    calm = Run((2.0,) * 20, (1.0,) * 20, (1,) * 20, 20)
+    assert outcome(calm, 1.6) == "final loss 2.000 nats, 25.0% above the best"
+    with pytest.raises(ValueError, match="best_loss"):
+        outcome(calm, 0.0)
 
 
 def test_a_run_that_blows_up_is_stopped_at_the_first_loss_past_the_limit():

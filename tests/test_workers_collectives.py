@@ -5,6 +5,7 @@ and the torchrun entry's report."""
 
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -122,3 +123,122 @@ def test_torchrun_entry_reports_on_rank_0_only(monkeypatch, capsys):
     assert lines[3] == "     4,096 bytes: algbw 1.000 GB/s (measured), busbw 1.500 GB/s (measured)"
     assert lines[-1].startswith("16,777,216 bytes: algbw 1.000 GB/s")
     assert len(lines) == 3 + len(wc.BANDWIDTH_SIZES)
+
+
+# --- the "write it yourself" exercise: the reader's ring on real ranks ---------------------
+
+
+def _reference_ring(tensor):
+    # A ring as a reader writes it: 2(N-1) steps, each one chunk sent right, one received.
+    rank, n = dist.get_rank(), dist.get_world_size()
+    right, left = (rank + 1) % n, (rank - 1) % n
+    total = tensor.clone()
+    chunks = torch.tensor_split(total, n)
+    for step in range(2 * (n - 1)):
+        send, recv = (rank - step) % n, (rank - step - 1) % n
+        incoming = torch.empty_like(chunks[recv])
+        for request in (dist.isend(chunks[send], right), dist.irecv(incoming, left)):
+            request.wait()
+        if step < n - 1:
+            chunks[recv].add_(incoming)
+        else:
+            chunks[recv].copy_(incoming)
+    return total
+
+
+def _through_rank_0(tensor):
+    # Right sum, wrong algorithm: rank 0 receives every tensor and sends the sum back.
+    rank, n = dist.get_rank(), dist.get_world_size()
+    total = tensor.clone()
+    if rank == 0:
+        for peer in range(1, n):
+            incoming = torch.empty_like(tensor)
+            dist.recv(incoming, peer)
+            total += incoming
+        for peer in range(1, n):
+            dist.send(total, peer)
+    else:
+        dist.send(tensor, 0)
+        dist.recv(total, 0)
+    return total
+
+
+def _adds_in_the_all_gather(tensor):
+    # The classic slip: the all-gather adds what it receives instead of replacing.
+    rank, n = dist.get_rank(), dist.get_world_size()
+    total = tensor.clone()
+    chunks = torch.tensor_split(total, n)
+    for step in range(2 * (n - 1)):
+        send, recv = (rank - step) % n, (rank - step - 1) % n
+        incoming = torch.empty_like(chunks[recv])
+        right, left = (rank + 1) % n, (rank - 1) % n
+        for request in (dist.isend(chunks[send], right), dist.irecv(incoming, left)):
+            request.wait()
+        chunks[recv].add_(incoming)
+    return total
+
+
+def _receives_before_sending(tensor):
+    # Every rank waits to receive before it sends: nobody ever sends.
+    rank, n = dist.get_rank(), dist.get_world_size()
+    incoming = torch.empty_like(tensor)
+    dist.recv(incoming, (rank - 1) % n)
+    dist.send(tensor, (rank + 1) % n)
+    return tensor + incoming
+
+
+def _calls_all_reduce(tensor):
+    total = tensor.clone()
+    dist.all_reduce(total)
+    return total
+
+
+@pytest.mark.slow
+def test_a_correct_ring_passes_every_check():
+    report = wc.check_ring_exercise(_reference_ring)
+    assert report.passed, str(report)
+    # 1,000 int64 values = 8,000 bytes; 2(4-1)/4 of them = 12,000 bytes from each rank.
+    assert "each rank sent 12,000 bytes = 2(4-1)/4 of the tensor" in str(report)
+    assert str(report).endswith("passed")
+
+
+@pytest.mark.slow
+def test_a_right_sum_through_rank_0_fails_on_the_bytes():
+    report = wc.check_ring_exercise(_through_rank_0)
+    assert not report.passed
+    text = str(report)
+    assert "every rank holds the sum" in text  # the sum itself is right
+    # Rank 0 sends the 8,000-byte sum to 3 peers; the others send their tensor once.
+    assert "the ranks sent [24000, 8000, 8000, 8000] bytes" in text
+    assert "12,000 bytes" in text
+
+
+@pytest.mark.slow
+def test_adding_in_the_all_gather_fails_on_the_sum_and_says_why():
+    report = wc.check_ring_exercise(_adds_in_the_all_gather, lengths=(4,))
+    assert not report.passed
+    assert "hold a wrong sum" in str(report)
+    assert "in the all-gather it replaces its chunk" in str(report)
+
+
+@pytest.mark.slow
+def test_a_collective_is_refused_with_a_message():
+    report = wc.check_ring_exercise(_calls_all_reduce, lengths=(4,))
+    assert not report.passed
+    assert "your ring called dist.all_reduce" in str(report)
+
+
+@pytest.mark.slow
+def test_a_deadlock_ends_at_the_timeout_with_a_hint():
+    report = wc.check_ring_exercise(_receives_before_sending, lengths=(4,), timeout=3)
+    assert not report.passed
+    assert "did not finish within 3 s: a rank is waiting for a message" in str(report)
+
+
+def test_exercise_arguments_are_checked_before_any_process_starts():
+    with pytest.raises(ValueError, match="ranks"):
+        wc.check_ring_exercise(_reference_ring, ranks=1)
+    with pytest.raises(ValueError, match="length"):
+        wc.check_ring_exercise(_reference_ring, lengths=(3,))  # shorter than the ring
+    with pytest.raises(ValueError, match="function"):
+        wc.check_ring_exercise(print)

@@ -139,6 +139,25 @@ def optimal_lr_share(batch: float, noise_scale: float) -> float:
     return 1.0 / steps_ratio(batch, noise_scale)
 
 
+def scaled_learning_rate(lr: float, batch: float, new_batch: float, exponent: float = 1.0) -> float:
+    """The learning rate for ``new_batch`` from one tuned at ``batch``:
+    ``lr * (new_batch / batch) ** exponent``.
+
+    ``exponent = 1`` is the linear scaling rule (Goyal et al., arXiv 1706.02677),
+    which holds for SGD while the batch is well below the noise scale
+    (:func:`optimal_lr_share`); ``0.5`` is the square-root rule, the gain of Adam's
+    later steps while noise dominates (chapter 10). McCandlish et al. found Adam's
+    best rate to grow with an exponent between the two, so for Adam the linear value
+    is an upper bound. The batches are in any one unit (examples, sequences or
+    tokens); ``exponent`` is in ``[0, 1]``.
+    """
+    rate = _checks.positive("lr", lr)
+    old = _checks.positive("batch", batch)
+    new = _checks.positive("new_batch", new_batch)
+    power = _checks.fraction("exponent", exponent)
+    return rate * (new / old) ** power
+
+
 def per_example_gradients(
     model: nn.Module,
     inputs: torch.Tensor,

@@ -7,7 +7,7 @@ shows is what a cell printed. One module per chapter idea; the house style is
 in :mod:`trainscale.figures.style`.
 """
 
-from trainscale.figures.batch_size import noise_scale_growth
+from trainscale.figures.batch_size import batch_scaling, noise_scale_growth
 from trainscale.figures.checkpointing import layer_bytes, memory_timelines, recompute_slowdown
 from trainscale.figures.collectives import (
     alpha_beta_fit,
@@ -81,6 +81,7 @@ __all__ = [
     "attention_share",
     "attention_work_per_rank",
     "bandwidth_against_size",
+    "batch_scaling",
     "batch_split",
     "bubble_curves",
     "bucket_timeline",

@@ -100,3 +100,74 @@ def noise_scale_growth(
         fig.suptitle(title, fontweight="bold", fontsize=12)
         fig.supxlabel(source, fontsize=7.5, color=MUTED_INK)
     return fig
+
+
+def batch_scaling(
+    lrs: Sequence[float],
+    gaps: Sequence[float],
+    batches: Sequence[int],
+    useful: Sequence[float],
+    title: str,
+) -> Figure:
+    """Two limits of the linear scaling rule, on log-log axes.
+
+    Left: how far ``k`` small SGD steps land from one step at ``k`` times the rate
+    (``gaps[i]``, a share of the large step; :func:`trainscale.stability.linear_scaling_gap`)
+    at learning rate ``lrs[i]``, with a line proportional to the rate through the first
+    point. Right: how far Adam's later steps move along the true gradient
+    (``useful[i]``, in learning rates; :func:`trainscale.stability.adam_step_sizes`) at
+    batch ``batches[i]``, with a line proportional to the square root of the batch
+    through the first point, and the ceiling of one learning rate per step.
+    """
+    if not len(lrs) == len(gaps) > 1 or not len(batches) == len(useful) > 1:
+        raise ValueError("lrs and gaps, and batches and useful, must be equally long (2 or more)")
+    with plt.rc_context({**STYLE, "axes.grid.axis": "both"}):
+        fig = BookFigure(figsize=(7.6, 3.4), layout="constrained")
+        sgd, adam = fig.subplots(1, 2)
+        sgd.plot(lrs, gaps, "o-", color=PALETTE["blue"], linewidth=1.6, label="measured gap")
+        sgd.plot(
+            lrs,
+            [gaps[0] * lr / lrs[0] for lr in lrs],
+            linestyle="--",
+            color=MUTED_INK,
+            linewidth=1,
+            label="proportional to the rate",
+        )
+        sgd.set_xlabel("learning rate")
+        sgd.set_ylabel("gap (share of the large step)")
+        sgd.set_title("SGD: the rule is exact at small rates", fontsize=11)
+        adam.plot(batches, useful, "o-", color=PALETTE["orange"], linewidth=1.6, label="AdamW")
+        adam.plot(
+            batches,
+            [useful[0] * math.sqrt(b / batches[0]) for b in batches],
+            linestyle="--",
+            color=MUTED_INK,
+            linewidth=1,
+            label="proportional to √batch",
+        )
+        adam.axhline(1.0, color=PALETTE["grey"], linestyle=":", linewidth=1)
+        adam.annotate(
+            "one learning rate per step",
+            (batches[0], 1.0),
+            xytext=(2, 3),
+            textcoords="offset points",
+            fontsize=8,
+            color=MUTED_INK,
+        )
+        adam.set_xscale("log", base=2)
+        adam.set_xticks(list(batches))
+        adam.set_yscale("log")
+        adam.set_yticks([0.125, 0.25, 0.5, 1.0])
+        adam.set_ylim(min(useful) / 1.5, 1.4)
+        adam.set_xlabel("batch size (examples)")
+        adam.set_ylabel("later steps' useful move (x lr)")
+        adam.set_title("Adam: a larger batch gains less", fontsize=11)
+        sgd.set_xscale("log")
+        sgd.set_yscale("log")
+        for ax in (sgd, adam):
+            ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:g}"))
+            ax.yaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:g}"))
+            ax.yaxis.set_minor_formatter(plt.NullFormatter())
+            ax.legend(fontsize=8, loc="lower right")
+        fig.suptitle(title, fontweight="bold", fontsize=12)
+    return fig

@@ -12,6 +12,7 @@ from matplotlib.axes import Axes
 from matplotlib.colors import to_rgb
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
+from matplotlib.ticker import FuncFormatter, LogLocator
 
 from trainscale.collectives import AlphaBeta, DataParallelStep, RingStep
 from trainscale.figures.style import (
@@ -284,7 +285,7 @@ def alpha_beta_fit(sizes: Sequence[float], seconds: Sequence[float], fit: AlphaB
     with plt.rc_context({**STYLE, "axes.grid.axis": "both"}):
         fig, ax = new_figure((7.0, 3.6))
         ax.plot(sizes, [t * 1e3 for t in seconds], "o", color=PALETTE["blue"], label="measured")
-        ax.plot(grid, [fit.seconds(s) * 1e3 for s in grid], color=INK, label="fit: T(S)")
+        ax.plot(grid, [fit.seconds(s) * 1e3 for s in grid], color=INK, label=r"fit: $\tau(S)$")
         ax.plot(
             grid,
             [latency_term * 1e3] * len(grid),
@@ -312,11 +313,17 @@ def alpha_beta_fit(sizes: Sequence[float], seconds: Sequence[float], fit: AlphaB
         ax.set_yscale("log")
         ax.set_xticks(list(sizes), [_size_label(s) for s in sizes])
         ax.minorticks_off()
+        # 1, 2 and 5 of every decade: a span of one decade still reads off several ticks.
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
         ax.set_xlim(low, high)
         ax.set_ylim(bottom=latency_term * 1e3 / 4)
         ax.set_xlabel("all-reduce message size")
         ax.set_ylabel("ms per all-reduce (measured)")
-        ax.set_title(f"All-reduce on {fit.ranks} processes: a latency and a bandwidth term")
+        ax.set_title(
+            f"What this CPU shows: all-reduce on {fit.ranks} processes,\n"
+            "a latency and a bandwidth term fitted"
+        )
         ax.legend(loc="upper left", fontsize=9)
     return fig
 

@@ -42,9 +42,11 @@ def _capacity_lines(ax, capacity_gib: float, usable_share: float, y: float) -> N
     )
 
 
-ONLY_WHEN_USED = ("context-parallel traffic", "expert-parallel traffic")
-"""Step-time parts drawn (and in the legend) only when some layout spends time on them:
-layouts without context or expert parallelism show the six parts they always had."""
+MIN_SHARE = 0.005
+"""Smallest share of a layout's step a part must take, in some layout drawn, to be drawn
+and named in the legend: a part under half a per cent of every bar is invisible (the
+optimiser step, or recomputation when no layout recomputes), and context- or
+expert-parallel traffic appears only where a layout spends time on it."""
 
 
 def _time_parts_shown(rows: Sequence[Layout]) -> set[str]:
@@ -52,7 +54,7 @@ def _time_parts_shown(rows: Sequence[Layout]) -> set[str]:
         part
         for lay in rows
         for part, seconds in lay.times.items()
-        if part not in ONLY_WHEN_USED or seconds > 0
+        if seconds >= MIN_SHARE * lay.step_seconds
     }
 
 

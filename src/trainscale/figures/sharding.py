@@ -3,6 +3,7 @@ bytes a rank holds at each moment of it, and traffic under gradient accumulation
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Mapping, Sequence
 
 import matplotlib.pyplot as plt
@@ -20,6 +21,9 @@ from trainscale.figures.style import (
     new_figure,
 )
 from trainscale.sharding import FsdpMemory, FsdpMoment
+
+MIB = 2**20
+"""Bytes in a MiB: the book measures memory in binary units."""
 
 
 def zero_stage_bars(
@@ -228,9 +232,10 @@ def fsdp_memory_timeline(
 
     ``panels`` maps a panel's title to the model's moments
     (:func:`trainscale.sharding.fsdp_memory_moments`) and the totals measured at the
-    same moments. Each moment is a stacked bar of the model's parts, in MB (10**6
+    same moments. Each moment is a stacked bar of the model's parts, in MiB (2**20
     bytes): the sharded state below, the whole units above; a black dot marks what
-    was measured, and a line the model's peak.
+    was measured, and a line the model's peak. A long ``title`` is wrapped, so that
+    it is not clipped at the figure's edges.
     """
     if not panels:
         raise ValueError("panels must hold at least one setup")
@@ -238,7 +243,7 @@ def fsdp_memory_timeline(
         fig = new_figure((7.0, 2.0 + 1.9 * len(panels)))[0]
         fig.clear()
         axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
-        top = max(m.total for moments, _ in panels.values() for m in moments) / 1e6
+        top = max(m.total for moments, _ in panels.values() for m in moments) / MIB
         for ax, (name, (moments, measured)) in zip(axes, panels.items(), strict=True):
             if len(measured) != len(moments):
                 raise ValueError(
@@ -247,13 +252,13 @@ def fsdp_memory_timeline(
             for col, moment in enumerate(moments):
                 bottom = 0.0
                 for part, size in _held_parts(moment).items():
-                    ax.bar(col, size / 1e6, bottom=bottom, width=0.7, color=_HELD[part])
-                    bottom += size / 1e6
-            ax.plot(range(len(moments)), [b / 1e6 for b in measured], "o", color=INK, ms=4)
-            peak = max(m.total for m in moments) / 1e6
+                    ax.bar(col, size / MIB, bottom=bottom, width=0.7, color=_HELD[part])
+                    bottom += size / MIB
+            ax.plot(range(len(moments)), [b / MIB for b in measured], "o", color=INK, ms=4)
+            peak = max(m.total for m in moments) / MIB
             ax.axhline(peak, color=PALETTE["red"], lw=1, ls="--")
             ax.annotate(
-                f"peak {peak:.2f} MB",
+                f"peak {peak:.2f} MiB",
                 (len(moments) - 0.5, peak),
                 xytext=(0, 3),
                 textcoords="offset points",
@@ -263,14 +268,14 @@ def fsdp_memory_timeline(
                 fontsize=8,
             )
             ax.set_ylim(0, top * 1.2)
-            ax.set_ylabel("MB held")
+            ax.set_ylabel("MiB held")
             ax.set_title(name, fontsize=10, loc="left")
         labels = [
             "step" if m.phase == "optimiser" else f"{m.phase[0].upper()} {layer_names[m.unit]}"
             for m in next(iter(panels.values()))[0]
         ]
         axes[-1].set_xticks(range(len(labels)), labels, rotation=45, ha="right")
-        fig.suptitle(title, fontweight="bold")
+        fig.suptitle(textwrap.fill(title, 60), fontweight="bold")
         handles = [Rectangle((0, 0), 1, 1, facecolor=c, label=part) for part, c in _HELD.items()]
         handles.append(plt.Line2D([], [], marker="o", color=INK, ls="none", ms=4, label="measured"))
         fig.legend(handles=handles, loc="outside lower center", ncol=3, fontsize=8)

@@ -10,7 +10,10 @@
   from which the chapter derives bandwidth as nccl-tests define it;
 * :func:`measure_loopback_bytes`: the bytes that really crossed the loopback
   network interface, against the ring's count;
-* :func:`worker`: all of them in one run.
+* :func:`worker`: all of them in one run;
+* :func:`check_ring_exercise`: the chapter's "write it yourself" exercise, a reader's
+  ring all-reduce run on real ranks and checked (its sum, and the bytes each rank sent),
+  as a course's test suite would.
 
 The same file runs on a GPU node, one process per GPU, with NCCL::
 
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -29,7 +32,22 @@ import torch.distributed as dist
 
 from trainscale import _checks
 from trainscale.collectives import ring_bytes_per_rank, ring_schedule
-from trainscale.distributed import backend_and_device, device, torchrun_main
+from trainscale.distributed import (
+    RankError,
+    backend_and_device,
+    device,
+    run_ranks,
+    torchrun_main,
+)
+from trainscale.workers.exercise import (
+    COLLECTIVES,
+    ExerciseError,
+    ExerciseReport,
+    load_reader_function,
+    rank_failure,
+    reader_source,
+    watch_communication,
+)
 
 LOOPBACK_TX = Path("/sys/class/net/lo/statistics/tx_bytes")
 """Linux's count of bytes sent through the loopback interface, since boot."""
@@ -279,6 +297,114 @@ def worker(
         "bandwidth": measure_bandwidth(rank, world_size, bandwidth_sizes),
         "loopback": measure_loopback_bytes(rank, world_size, loopback_tensor_bytes),
     }
+
+
+# --- "Write it yourself": the reader's ring, checked on real ranks ----------------------
+
+EXERCISE_LENGTHS = (4, 7, 1000)
+"""Lengths the reader's ring is checked on (4 ranks): one element per rank, chunks of
+unequal size, and the length whose bytes are checked against 2(N-1)/N."""
+
+
+def ring_exercise_worker(
+    rank: int, world_size: int, source: str, name: str, lengths: Sequence[int]
+) -> list[dict]:
+    """On one rank: build the reader's function from ``source``, call it on this rank's
+    :func:`ring_input` of each length, and return its result, the true sum (from
+    ``dist.all_reduce``, called before the reader's code runs) and the bytes it sent."""
+    inputs = [ring_input(rank, length) for length in lengths]
+    sums = [x.clone() for x in inputs]
+    for total in sums:
+        dist.all_reduce(total)
+    sent: dict[str, int] = {}
+    why = "your ring called dist.{name}: build it from dist.isend/dist.irecv (or send/recv) alone"
+    watch_communication(sent, refuse=COLLECTIVES, why=why)
+    ring = load_reader_function(source, name, {"torch": torch, "dist": dist})
+    checks = []
+    for x, total in zip(inputs, sums, strict=True):
+        sent.clear()
+        result = ring(x.clone())
+        if isinstance(result, tuple):  # (total, sent), as this module's ring returns
+            result = result[0]
+        if not isinstance(result, torch.Tensor):
+            raise ExerciseError(f"your function returned {type(result).__name__}, not a tensor")
+        sent_bytes = sent.get("send", 0) + sent.get("isend", 0)
+        checks.append({"result": result.detach().cpu(), "sum": total, "sent": sent_bytes})
+    return checks
+
+
+_HANG_HINT = (
+    "a rank is waiting for a message no rank sends. Each step, every rank sends to"
+    " rank + 1 and receives from rank - 1 (mod N): post both (isend and irecv) before"
+    " waiting on either, and make every rank take the same number of steps"
+)
+
+
+def check_ring_exercise(
+    function: Callable[[torch.Tensor], torch.Tensor],
+    ranks: int = 4,
+    lengths: Sequence[int] = EXERCISE_LENGTHS,
+    timeout: float = 60.0,
+) -> ExerciseReport:
+    """Run the reader's ring all-reduce on ``ranks`` real gloo processes and check it.
+
+    ``function(tensor)`` is called on every rank with that rank's 1-D int64 tensor
+    (:func:`ring_input`) and must return the element-wise sum over all ranks, using
+    only ``dist.isend``/``dist.irecv`` (or ``send``/``recv``): any collective is
+    refused. Checked: every rank's result equals ``dist.all_reduce``'s, for each of
+    ``lengths``; and, for the last length (which should divide by ``ranks``), that
+    each rank sent exactly ``2(N-1)/N`` of the tensor's bytes, as a ring does.
+    """
+    n = _checks.count("ranks", ranks, minimum=2)
+    lengths = [_checks.count("length", length, minimum=n) for length in lengths]
+    if not lengths:
+        raise ValueError("lengths must hold at least one length")
+    source, name = reader_source(function)
+    report = ExerciseReport(f"your ring all-reduce on {n} ranks, lengths {lengths}:")
+    try:
+        results = run_ranks(ring_exercise_worker, n, source, name, lengths, timeout=timeout)
+    except RankError as error:
+        report.fail(rank_failure(error, timeout, _HANG_HINT))
+        return report
+    for index, length in enumerate(lengths):
+        wrong = [
+            rank
+            for rank, result in enumerate(results)
+            if not torch.equal(result[index]["result"], result[index]["sum"])
+        ]
+        if not wrong:
+            report.ok(f"length {length:,}: every rank holds the sum dist.all_reduce gives")
+            continue
+        got, want = results[wrong[0]][index]["result"], results[wrong[0]][index]["sum"]
+        if got.shape != want.shape:
+            report.fail(
+                f"length {length:,}: rank {wrong[0]} returned shape {tuple(got.shape)},"
+                f" not {tuple(want.shape)}"
+            )
+            continue
+        first = int((got != want).nonzero()[0])
+        report.fail(
+            f"length {length:,}: ranks {wrong} hold a wrong sum (rank {wrong[0]}, element"
+            f" {first}: {int(got[first])} instead of {int(want[first])}). In the"
+            " reduce-scatter a rank adds what it receives; in the all-gather it replaces"
+            " its chunk with what it receives"
+        )
+    length = lengths[-1]
+    tensor_bytes = length * torch.tensor([], dtype=torch.int64).element_size()
+    expected = ring_bytes_per_rank(tensor_bytes, n)
+    sent = [result[-1]["sent"] for result in results]
+    if all(s == expected for s in sent):
+        report.ok(
+            f"length {length:,} ({tensor_bytes:,} bytes): each rank sent {expected:,.0f} bytes"
+            f" = 2({n}-1)/{n} of the tensor"
+        )
+    else:
+        report.fail(
+            f"length {length:,} ({tensor_bytes:,} bytes): the ranks sent {sent} bytes; a ring"
+            f" sends 2({n}-1)/{n} of the tensor from each rank, {expected:,.0f} bytes: at each"
+            f" of its 2({n}-1) steps a rank sends one chunk, 1/{n} of the tensor"
+        )
+    return report
 
 
 def main(rank: int, world_size: int) -> None:

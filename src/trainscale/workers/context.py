@@ -212,9 +212,18 @@ def _block_gradients(
     dk[..., cols, :] += ds.transpose(-1, -2) @ q[..., rows, :] * scale
 
 
-def _positions(rank: int, size: int, local: int, layout: str, dev: torch.device) -> torch.Tensor:
+Layout = str | Callable[[int, int, int], Sequence[int]]
+"""A layout's name, or a function ``(seq_len, ranks, rank) -> positions`` (chapter 14's
+exercise: the reader's own zig-zag split)."""
+
+
+def _positions(rank: int, size: int, local: int, layout: Layout, dev: torch.device) -> torch.Tensor:
     """Positions in the whole sequence of ``rank``'s tokens, as a tensor on ``dev``."""
-    return torch.tensor(token_positions(local * size, size, rank, layout), device=dev)
+    if callable(layout):
+        held = [int(p) for p in layout(local * size, size, rank)]
+    else:
+        held = token_positions(local * size, size, rank, layout)
+    return torch.tensor(held, dtype=torch.long, device=dev)
 
 
 class RingAttention(torch.autograd.Function):
@@ -288,7 +297,7 @@ def ring_attention(
     group: dist.ProcessGroup | None = None,
     causal: bool = True,
     *,
-    layout: str = "contiguous",
+    layout: Layout = "contiguous",
     tally: Tally | None = None,
 ) -> torch.Tensor:
     """Attention over a sequence split across ``group``, keys and values passed round a ring.
@@ -298,14 +307,17 @@ def ring_attention(
     head_dim)``, ``kv_heads`` dividing ``heads`` (grouped-query attention; the
     ring passes only these); in the order :func:`trainscale.context.token_positions`
     gives for ``layout`` (``"contiguous"``: rank ``r`` holds tokens
-    ``r L .. (r+1) L - 1``; ``"zigzag"``: chunks ``r`` and ``2N - 1 - r`` of ``2N``).
+    ``r L .. (r+1) L - 1``; ``"zigzag"``: chunks ``r`` and ``2N - 1 - r`` of ``2N``), or
+    in the order a function ``layout(seq_len, ranks, rank)`` gives (a list of
+    ``local_seq`` positions per rank, each position on exactly one rank).
     Returns this rank's rows of ``softmax(q k^T / sqrt(head_dim)) v``, causal if
     ``causal``; differentiable in ``q``, ``k`` and ``v``. ``tally``, if given,
     counts bytes sent and work done.
     """
     _check_qkv(q, k, v)
     _checks.boolean("causal", causal)
-    _checks.choice("layout", layout, ("contiguous", "zigzag"))
+    if not callable(layout):
+        _checks.choice("layout", layout, ("contiguous", "zigzag"))
     return RingAttention.apply(q, k, v, group, causal, layout, tally)
 
 

@@ -20,6 +20,10 @@ of the batch, and returns what the chapter checks against its formulas:
 :func:`accumulation_worker` runs one step of ``k`` micro-batches under DDP and under
 FSDP2 set up as ZeRO-2 and ZeRO-3, and counts the bytes of every collective issued.
 
+:func:`check_zero1_exercise` is the chapter's "write it yourself" exercise: a reader's
+ZeRO-1 optimiser step (reduce-scatter the gradients, update the local slice with Adam,
+all-gather the weights) run on real ranks and checked against one process.
+
 The same file runs on a GPU node, one process per GPU, with NCCL::
 
     torchrun --nproc-per-node=8 -m trainscale.workers.sharding
@@ -29,7 +33,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -41,8 +46,16 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from trainscale import _checks
-from trainscale.distributed import device, torchrun_main
+from trainscale.distributed import RankError, device, run_ranks, torchrun_main
 from trainscale.memory import mlp_stack
+from trainscale.workers.exercise import (
+    ExerciseError,
+    ExerciseReport,
+    load_reader_function,
+    rank_failure,
+    reader_source,
+    watch_communication,
+)
 
 loss_fn = nn.functional.mse_loss
 """The loss of the step: mean squared error over the batch."""
@@ -488,6 +501,210 @@ def accumulation_worker(
     batch = 4 * world_size * max(_check_micro_batches(1, 1, micro_batches)[1])
     mesh = init_device_mesh(device().type, (world_size,))
     return accumulation_traffic(mesh, rank, world_size, micro_batches, head=head, batch=batch)
+
+
+# --- "Write it yourself": one ZeRO-1 step, checked on real ranks -------------------------
+
+ZERO1_LENGTH = 1024
+"""Weights in the ZeRO-1 exercise (a multiple of every world size up to 8 but 3, 5, 7)."""
+
+ZERO1_STEPS = 3
+"""Optimiser steps the exercise runs, so that Adam's moments carry over between steps."""
+
+ZERO1_LR = 1e-2
+"""Adam's learning rate in the exercise."""
+
+ADAM_BETAS, ADAM_EPS = (0.9, 0.999), 1e-8
+"""``torch.optim.Adam``'s defaults, which :func:`adam_update` uses."""
+
+
+def adam_update(weights: torch.Tensor, grad: torch.Tensor, state: dict) -> torch.Tensor:
+    """One Adam step on ``weights`` with ``grad``, as ``torch.optim.Adam`` takes it
+    (betas 0.9 and 0.999, eps 1e-8, learning rate :data:`ZERO1_LR`, no weight decay);
+    returns the new weights and leaves ``weights`` as it was.
+
+    ``state`` keeps Adam's step count and two moments for exactly these elements from
+    one call to the next: call it with the same dict every step (empty at first). In
+    the ZeRO-1 exercise each rank calls it on its own slice only, so its state holds
+    ``2/N`` of the moments.
+    """
+    if weights.shape != grad.shape:
+        raise ValueError(f"grad has shape {tuple(grad.shape)}, weights {tuple(weights.shape)}")
+    if not state:
+        zeros = torch.zeros_like(weights)
+        state.update(step=0, exp_avg=zeros, exp_avg_sq=zeros.clone())
+    if state["exp_avg"].shape != weights.shape:
+        raise ValueError(
+            f"state holds moments of shape {tuple(state['exp_avg'].shape)}, not"
+            f" {tuple(weights.shape)}: use one state per slice, the same every step"
+        )
+    (beta1, beta2), step = ADAM_BETAS, state["step"] + 1
+    state["step"] = step
+    state["exp_avg"].lerp_(grad, 1 - beta1)
+    state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2**step)).add_(ADAM_EPS)
+    return weights.clone().addcdiv_(state["exp_avg"], denom, value=-ZERO1_LR / (1 - beta1**step))
+
+
+def zero1_inputs(length: int, ranks: int, steps: int) -> tuple[torch.Tensor, list]:
+    """The exercise's float64 starting weights (the same on every rank) and each step's
+    gradient on each rank (``[step][rank]``), drawn from fixed seeds."""
+    weights = torch.randn(length, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    grads = [
+        [
+            torch.randn(
+                length,
+                dtype=torch.float64,
+                generator=torch.Generator().manual_seed(1 + step * ranks + rank),
+            )
+            for rank in range(ranks)
+        ]
+        for step in range(steps)
+    ]
+    return weights, grads
+
+
+def _state_values(state: object) -> int:
+    """Tensor elements held in ``state``, however nested in dicts, lists and tuples."""
+    if isinstance(state, torch.Tensor):
+        return state.numel()
+    if isinstance(state, dict):
+        return sum(_state_values(v) for v in state.values())
+    if isinstance(state, list | tuple):
+        return sum(_state_values(v) for v in state)
+    return 0
+
+
+def zero1_exercise_worker(
+    rank: int, world_size: int, source: str, name: str, length: int, steps: int
+) -> dict:
+    """On one rank: build the reader's step from ``source`` and run ``steps`` steps of it
+    from :func:`zero1_inputs`; return the weights after each, the tensor elements its
+    state holds, and the bytes this rank put into each kind of collective."""
+    weights, grads = zero1_inputs(length, world_size, steps)
+    sent: dict[str, int] = {}
+    watch_communication(sent)
+    step = load_reader_function(source, name, {"torch": torch, "dist": dist, "adam": adam_update})
+    state: dict = {}
+    history = []
+    for k in range(steps):
+        weights = step(weights.clone(), grads[k][rank].clone(), state)
+        if not isinstance(weights, torch.Tensor) or weights.shape != (length,):
+            raise ExerciseError(f"your step must return all {length} weights as a tensor")
+        history.append(weights.detach().clone())
+    return {"weights": history, "state values": _state_values(state), "sent": sent}
+
+
+def zero1_reference(length: int, ranks: int, steps: int, mean: bool = True) -> list:
+    """One process's weights after each step: ``torch.optim.Adam`` on the full weights
+    with the ranks' gradients averaged (or summed, ``mean=False``)."""
+    weights, grads = zero1_inputs(length, ranks, steps)
+    param = nn.Parameter(weights)
+    optimizer = torch.optim.Adam([param], lr=ZERO1_LR, foreach=False)
+    history = []
+    for step_grads in grads:
+        total = torch.stack(step_grads).sum(dim=0)
+        param.grad = total / ranks if mean else total
+        optimizer.step()
+        history.append(param.detach().clone())
+    return history
+
+
+def _sent(sent: dict[str, int], prefix: str) -> int:
+    return sum(v for k, v in sent.items() if k.startswith(prefix) and not k.endswith("calls"))
+
+
+def check_zero1_exercise(
+    function: Callable[..., torch.Tensor],
+    ranks: int = 4,
+    length: int = ZERO1_LENGTH,
+    steps: int = ZERO1_STEPS,
+    timeout: float = 60.0,
+) -> ExerciseReport:
+    """Run the reader's ZeRO-1 step on ``ranks`` real gloo processes and check it.
+
+    ``function(weights, grad, state)`` is called on every rank, ``steps`` times, with
+    the full float64 weights (the same on every rank), this rank's own gradient and a
+    dict it may keep between steps; it must return the full new weights. Checked, as
+    a course's tests would: after every step, every rank's weights equal one
+    process's ``torch.optim.Adam`` on the mean gradient (to 1e-12); each rank's state
+    holds the moments of its own ``1/N`` of the weights only; and each rank put its
+    gradient into a reduce-scatter and its slice into an all-gather, once a step.
+    The names the function may use: ``torch``, ``dist`` and ``adam``
+    (:func:`adam_update`).
+    """
+    n = _checks.count("ranks", ranks, minimum=2)
+    size = _checks.count("length", length, minimum=n)
+    if size % n:
+        raise ValueError(f"length must be a multiple of ranks ({n}), got {size}")
+    count = _checks.count("steps", steps, minimum=1)
+    source, name = reader_source(function)
+    steps_text = f"{count} step{'s' * (count > 1)}"
+    report = ExerciseReport(f"your ZeRO-1 step on {n} ranks, {size:,} weights, {steps_text}:")
+    try:
+        results = run_ranks(zero1_exercise_worker, n, source, name, size, count, timeout=timeout)
+    except RankError as error:
+        hint = "every rank must call the same collectives, in the same order"
+        report.fail(rank_failure(error, timeout, hint))
+        return report
+    mean, summed = (zero1_reference(size, n, count, m) for m in (True, False))
+    shard = size // n
+    for k in range(count):
+        wrong = [
+            r for r, got in enumerate(results) if (got["weights"][k] - mean[k]).abs().max() > 1e-12
+        ]
+        if not wrong:
+            report.ok(f"step {k + 1}: every rank's weights equal Adam's on the mean gradient")
+            continue
+        r = wrong[0]
+        got, mine = results[r]["weights"][k], slice(r * shard, (r + 1) * shard)
+        if (got - summed[k]).abs().max() <= 1e-12:
+            report.fail(
+                f"step {k + 1}: the weights follow Adam on the *sum* of the ranks' gradients:"
+                " divide your reduced slice by the number of ranks (Adam hardly notices the"
+                " scale, so this check compares to 1e-12, in float64)"
+            )
+        elif (got[mine] - mean[k][mine]).abs().max() <= 1e-12:
+            report.fail(
+                f"step {k + 1}: rank {r}'s own slice is right, the rest of its weights is"
+                " not: all-gather every rank's updated slice, in rank order"
+            )
+        else:
+            gap = (got[mine] - mean[k][mine]).abs().max().item()
+            report.fail(
+                f"step {k + 1}: rank {r}'s own slice [{mine.start}:{mine.stop}] is off by up"
+                f" to {gap:.1e}: rank r updates slice r of the weights with slice r of the"
+                " mean gradient, which the reduce-scatter gives it"
+            )
+        break
+    held = [result["state values"] for result in results]
+    if all(h <= 2 * shard for h in held):
+        report.ok(f"each rank's optimiser state holds {max(held):,} values: 2 moments x 1/{n}")
+    else:
+        report.fail(
+            f"the ranks' optimiser states hold {held} values; ZeRO-1 keeps the two moments"
+            f" of its own 1/{n} only, {2 * shard:,}: call adam on your slice, not on all"
+        )
+    sent = [result["sent"] for result in results]
+    if any(s.get("all_reduce calls") for s in sent):
+        report.fail(
+            "you all-reduced: every rank then receives the whole summed gradient and uses"
+            f" 1/{n} of it; a reduce-scatter gives it just its slice"
+        )
+    full, part = count * size * 8, count * shard * 8  # float64 bytes
+    if all(_sent(s, "reduce_scatter") == full and _sent(s, "all_gather") == part for s in sent):
+        report.ok(
+            f"each step, each rank put its gradient ({size * 8:,} bytes) into a"
+            f" reduce-scatter and its slice ({shard * 8:,} bytes) into an all-gather"
+        )
+    else:
+        report.fail(
+            f"bytes each rank put into reduce-scatters {[_sent(s, 'reduce_scatter') for s in sent]}"
+            f" and all-gathers {[_sent(s, 'all_gather') for s in sent]}: ZeRO-1 reduce-scatters"
+            f" its whole gradient ({full:,} bytes in {count} step{'s' * (count > 1)}) and"
+            f" all-gathers its slice ({part:,})"
+        )
+    return report
 
 
 def main(rank: int, world_size: int) -> None:
