@@ -21,6 +21,7 @@ WITHIN_BUDGET = {
     "where_the_memory_goes",
     "data_parallelism",
     "collectives",
+    "pipeline_parallelism",
     "activation_checkpointing",
     "compute_budget",
     "measuring_efficiency",
