@@ -22,6 +22,7 @@ WITHIN_BUDGET = {
     "data_parallelism",
     "collectives",
     "pipeline_parallelism",
+    "mixed_precision",
     "activation_checkpointing",
     "compute_budget",
     "measuring_efficiency",
