@@ -436,3 +436,18 @@ def test_an_attention_function_set_on_a_block_replaces_attend():
         block.attention.attend_fn = naive
     torch.testing.assert_close(model(tokens), before, rtol=1e-5, atol=1e-6)
     assert calls == [(2, 3, 8, 4)] * 2  # once per block: (batch, heads, seq, head width)
+
+
+def test_sdpa_turns_onednn_off_only_where_cpu_flash_attention_would_fail():
+    # torch 2.13 on an AMX CPU under ATEN_CPU_CAPABILITY=default: bf16 flash attention
+    # packs for AMX and then refuses; attend() turns oneDNN off for that call only
+    from trainscale.transformer import _packs_beyond_capability, attend
+
+    full = torch.randn(1, 2, 8, 4)
+    assert not _packs_beyond_capability(full)  # fp32 never packs
+    below_avx512 = not torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    assert _packs_beyond_capability(full.bfloat16()) == below_avx512
+    before = torch._C._get_mkldnn_enabled()
+    out = attend(full.bfloat16(), full.bfloat16(), full.bfloat16(), kind="sdpa")
+    assert out.shape == full.shape
+    assert torch._C._get_mkldnn_enabled() == before
