@@ -19,10 +19,13 @@ from trainscale.pipeline import (
     bubble,
     bubble_zb_h1,
     chain_length,
+    check_1f1b,
     micro_batches_for_bubble,
+    one_f_one_b_order,
     overhead_for_step,
     replay,
     simulate,
+    torch_1f1b_orders,
 )
 
 stages = st.integers(1, 8)
@@ -549,3 +552,126 @@ def test_the_overhead_functions_refuse_what_has_no_answer():
         replay(one_f_one_b, overhead=float("nan"))
     with pytest.raises(ValueError, match="weight"):
         break_even_overhead(simulate("zb-h1", 4, 8), one_f_one_b, 1, 2, weight=2)
+
+
+# --- the exercise: a reader's 1F1B order, checked --------------------------------------------
+
+
+def _reader_1f1b(p: int, m: int, r: int) -> list[tuple[str, int]]:
+    """A right answer written another way: one pass over the step's slots."""
+    order, forwards, backwards = [], 0, 0
+    while backwards < m:
+        in_flight = forwards - backwards
+        if forwards < m and in_flight < p - r:
+            order.append(("F", forwards))
+            forwards += 1
+        else:
+            order.append(("B", backwards))
+            backwards += 1
+    return order
+
+
+def test_the_1f1b_order_of_one_stage_by_hand():
+    # 4 stages, 6 micro-batches, stage 1: 3 forwards fill the pipeline, then B/F pairs,
+    # then the remaining backwards.
+    f, b = "F", "B"
+    assert one_f_one_b_order(4, 6, 1) == [
+        (f, 0), (f, 1), (f, 2), (b, 0), (f, 3), (b, 1),
+        (f, 4), (b, 2), (f, 5), (b, 3), (b, 4), (b, 5),
+    ]  # fmt: skip
+    assert one_f_one_b_order(4, 6, 3) == [(f, 0), (b, 0), (f, 1), (b, 1)] + [
+        (k, i) for i in range(2, 6) for k in (f, b)
+    ]
+
+
+def test_a_right_answer_passes_and_is_compared_with_pytorch():
+    verdict = check_1f1b(_reader_1f1b)
+    assert verdict.passed
+    assert str(verdict).startswith("Right: _reader_1f1b gives 1F1B's order on all 31 stages")
+    # torch 2.13 lists the last stage's forwards as micro-batches 1..m (its _get_pipeline_order
+    # starts that stage's steady state at forward_mb + 1): the checker names, not hides, it
+    assert "same order on 24 of them" in str(verdict)
+    assert "the other 7, each pipeline's last stage" in str(verdict)
+
+
+def test_gpipe_order_fails_on_its_warm_up():
+    def gpipe(p, m, r):
+        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+
+    verdict = check_1f1b(gpipe)
+    assert not verdict.passed
+    assert str(verdict) == (
+        "Not yet. stage 1 of p = 2, m = 2: runs 2 forwards before its first backward;"
+        " 1F1B runs p - r = 1, just enough to keep the stages after it busy"
+    )
+
+
+def test_a_forward_before_each_backward_holds_one_micro_batch_too_many():
+    def forward_first(p, m, r):
+        w = min(p - r, m)
+        order = [("F", i) for i in range(w)]
+        for i in range(m - w):
+            order += [("F", w + i), ("B", i)]
+        return order + [("B", i) for i in range(m - w, m)]
+
+    assert "runs 2 forwards before its first backward" in str(check_1f1b(forward_first))
+
+
+def test_a_valid_order_that_is_not_1f1b_names_its_first_difference():
+    def last_in_first_out(p, m, r):  # the cool-down's backwards in reverse
+        w = min(p - r, m)
+        order = [("F", i) for i in range(w)]
+        for i in range(m - w):
+            order += [("B", i), ("F", w + i)]
+        return order + [("B", i) for i in reversed(range(m - w, m))]
+
+    assert str(check_1f1b(last_in_first_out, sizes=((4, 8),))) == (
+        "Not yet. stage 0 of p = 4, m = 8: action 12 is ('B', 7), 1F1B runs ('B', 4) there"
+    )
+
+
+def test_an_order_that_deadlocks_says_who_waits_for_whom():
+    def reversed_warm_up(p, m, r):  # r + 1 forwards instead of p - r
+        w = min(r + 1, m)
+        order = [("F", i) for i in range(w)]
+        for i in range(m - w):
+            order += [("B", i), ("F", w + i)]
+        return order + [("B", i) for i in range(m - w, m)]
+
+    assert str(check_1f1b(reversed_warm_up)) == (
+        "Not yet. p = 2, m = 2: the stages wait on one another for ever: stage 0 waits to run"
+        " backward 0, which needs stage 1's backward of micro-batch 0; stage 1 waits to run"
+        " forward 1, which needs stage 0's forward of micro-batch 1"
+    )
+
+
+def test_malformed_orders_and_errors_are_reported_not_raised():
+    def no_min(p, m, r):  # p - r forwards even when fewer micro-batches exist
+        return [("F", i) for i in range(p - r)] + [("B", i) for i in range(p - r)]
+
+    assert "the F actions name micro-batches [0, 1, 2, 3], not each of 0..1 once" in str(
+        check_1f1b(no_min, sizes=((4, 2),))
+    )
+    backward_first = check_1f1b(lambda p, m, r: [("B", 0), ("F", 0)], sizes=((1, 1),))
+    assert str(backward_first) == (
+        "Not yet. stage 0 of p = 1, m = 1: the backward of micro-batch 0 comes before its forward"
+    )
+    assert "raised ZeroDivisionError" in str(check_1f1b(lambda p, m, r: 1 // 0))
+    assert "return a list of ('F', i) and ('B', i) pairs" in str(check_1f1b(lambda p, m, r: "F0"))
+
+
+def test_the_exercise_refuses_bad_arguments():
+    with pytest.raises(ValueError, match="order_fn"):
+        check_1f1b("not a function")
+    with pytest.raises(ValueError, match="stage must be below stages"):
+        one_f_one_b_order(4, 8, 4)
+    with pytest.raises(ValueError, match="micro_batches"):
+        torch_1f1b_orders(4, 0)
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 2), (3, 7), (4, 8)])
+def test_pytorchs_listed_order_is_ours_but_on_the_last_stage(p, m):
+    ours = [one_f_one_b_order(p, m, r) for r in range(p)]
+    listed = torch_1f1b_orders(p, m)
+    assert listed[:-1] == ours[:-1]
+    assert [i for k, i in listed[-1] if k == "F"] == list(range(1, m + 1))  # torch 2.13

@@ -589,3 +589,18 @@ def test_fused_grouped_attention_equals_keys_and_values_copied_per_head():
     fused = GPTConfig(**{**LLAMA_TINY.__dict__, "attention": "sdpa"})
     tokens = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(3))
     assert torch.allclose(gpt(fused, seed=5)(tokens), gpt(LLAMA_TINY, seed=5)(tokens), atol=1e-5)
+
+
+def test_sdpa_turns_onednn_off_only_where_cpu_flash_attention_would_fail():
+    # torch 2.13 on an AMX CPU under ATEN_CPU_CAPABILITY=default: bf16 flash attention
+    # packs for AMX and then refuses; attend() turns oneDNN off for that call only
+    from trainscale.transformer import _packs_beyond_capability, attend
+
+    full = torch.randn(1, 2, 8, 4)
+    assert not _packs_beyond_capability(full)  # fp32 never packs
+    below_avx512 = not torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    assert _packs_beyond_capability(full.bfloat16()) == below_avx512
+    before = torch._C._get_mkldnn_enabled()
+    out = attend(full.bfloat16(), full.bfloat16(), full.bfloat16(), kind="sdpa")
+    assert out.shape == full.shape
+    assert torch._C._get_mkldnn_enabled() == before

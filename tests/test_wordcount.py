@@ -23,6 +23,8 @@ WITHIN_BUDGET = {
     "collectives",
     "sharding_zero_fsdp",
     "tensor_parallelism",
+    "pipeline_parallelism",
+    "mixed_precision",
     "activation_checkpointing",
     "batch_size_and_learning_rate",
     "compute_budget",

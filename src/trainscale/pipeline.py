@@ -571,3 +571,205 @@ def _dependency(kind: str, virtual: int, micro_batch: int, last: int) -> tuple |
     if virtual < last:
         return ("B", virtual + 1, micro_batch)
     return ("F", virtual, micro_batch)  # the loss: after the stage's own forward
+
+
+# --- the chapter's exercise: write the 1F1B order of one stage -------------------------------
+
+EXERCISE_SIZES = ((2, 2), (2, 5), (3, 7), (4, 4), (4, 8), (8, 8), (8, 12))
+"""Pipelines ``(p, m)`` the exercise is checked on: ``m >= p``, as ``Schedule1F1B`` asks."""
+
+
+def one_f_one_b_order(stages: int, micro_batches: int, stage: int) -> list[tuple[str, int]]:
+    """The 1F1B order of ``stage`` of ``stages`` with ``micro_batches`` micro-batches, as the
+    exercise asks for it: ``("F", i)`` is the forward of micro-batch ``i``, ``("B", i)`` its
+    backward. The order :func:`simulate` plays for ``"1f1b"``."""
+    p = _checks.count("stages", stages, minimum=1)
+    m = _checks.count("micro_batches", micro_batches, minimum=1)
+    s = _checks.count("stage", stage)
+    if s >= p:
+        raise ValueError(f"stage must be below stages ({p}), got {s}")
+    return [(_STEP[kind], i) for kind, _, i in _one_f_one_b_order(p, m, s)]
+
+
+def torch_1f1b_orders(stages: int, micro_batches: int) -> list[list[tuple[str, int]]]:
+    """What PyTorch's ``Schedule1F1B.pipeline_order`` lists for each rank, as
+    :func:`one_f_one_b_order` writes an order (its idle slots and its final
+    ``REDUCE_GRAD`` left out). The schedule is built without processes, around a stage
+    that knows only its place; ``Schedule1F1B`` refuses fewer micro-batches than stages."""
+    from torch.distributed.pipelining import Schedule1F1B
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+    p = _checks.count("stages", stages, minimum=1)
+    m = _checks.count("micro_batches", micro_batches, minimum=1)
+
+    class _Placed(_PipelineStageBase):  # skips the real stage's set-up: no process group
+        def __init__(self) -> None:
+            self.stage_index, self.num_stages, self.group_size, self.group_rank = 0, p, p, 0
+            self.submod, self.has_backward, self.dw_builder = None, True, None
+            self.stage_index_to_group_rank = {}
+
+        def _create_grad_recv_info(self, *args: object, **kwargs: object) -> None: ...
+        def _prepare_backward_infra(self, *args: object, **kwargs: object) -> None: ...
+        def _prepare_forward_infra(self, *args: object, **kwargs: object) -> None: ...
+
+    order = Schedule1F1B(_Placed(), m).pipeline_order or {}
+    kinds = {"FORWARD": "F", "FULL_BACKWARD": "B"}  # REDUCE_GRAD is left out
+    return [
+        [
+            (kinds[a.computation_type.name], a.microbatch_index)
+            for a in order[rank]
+            if a is not None and a.computation_type.name in kinds
+        ]
+        for rank in range(p)
+    ]
+
+
+@dataclass(frozen=True)
+class OrderCheck:
+    """The verdict on a reader's order: ``passed``, and what to tell them (``str``)."""
+
+    passed: bool
+    lines: tuple[str, ...]
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines)
+
+
+def _order_problem(order: object, p: int, m: int, r: int) -> str | None:
+    """What is wrong with one stage's order on its own (its form and its micro-batches)."""
+    where = f"stage {r} of p = {p}, m = {m}"
+    if not isinstance(order, list | tuple) or not all(
+        isinstance(a, tuple) and len(a) == 2 and a[0] in ("F", "B") and isinstance(a[1], int)
+        for a in order
+    ):
+        return f"{where}: return a list of ('F', i) and ('B', i) pairs, got {order!r:.80}"
+    for kind in ("F", "B"):
+        seen = sorted(i for k, i in order if k == kind)
+        if seen != list(range(m)):
+            wanted = f"not each of 0..{m - 1} once"
+            return f"{where}: the {kind} actions name micro-batches {seen}, {wanted}"
+    first = {}
+    for position, (kind, i) in enumerate(order):
+        first.setdefault((kind, i), position)
+    late = [i for i in range(m) if first["B", i] < first["F", i]]
+    if late:
+        return f"{where}: the backward of micro-batch {late[0]} comes before its forward"
+    return None
+
+
+def _stuck(orders: list[list[tuple[str, int]]]) -> str:
+    """Where an order that deadlocks stops: each stage's next action and what it waits for."""
+    p, done, position = len(orders), set(), [0] * len(orders)
+    moved = True
+    while moved:
+        moved = False
+        for r, order in enumerate(orders):
+            while position[r] < len(order):
+                kind, i = order[position[r]]
+                need = (("F", r - 1, i) if r else None) if kind == "F" else ("B", r + 1, i)
+                if kind == "B" and r == p - 1:
+                    need = ("F", r, i)  # the loss: after the last stage's own forward
+                if need is not None and need not in done:
+                    break
+                done.add((kind, r, i))
+                position[r] += 1
+                moved = True
+    names = {"F": "forward", "B": "backward"}
+    waits = []
+    for r, order in enumerate(orders):
+        if position[r] < len(order):
+            kind, i = order[position[r]]
+            if kind == "B" and r == p - 1:
+                what = f"its own forward of micro-batch {i}"
+            elif kind == "B":
+                what = f"stage {r + 1}'s backward of micro-batch {i}"
+            else:
+                what = f"stage {r - 1}'s forward of micro-batch {i}"
+            waits.append(f"stage {r} waits to run {names[kind]} {i}, which needs {what}")
+    return "; ".join(waits)
+
+
+def _differs(order: list, expected: list, p: int, m: int, r: int) -> str:
+    """Why a valid order is not 1F1B's: its warm-up, its peak, or its first difference."""
+    where = f"stage {r} of p = {p}, m = {m}"
+    warmup = next(j for j, (kind, _) in enumerate(order) if kind == "B")
+    right = min(p - r, m)
+    if warmup != right:
+        return (
+            f"{where}: runs {warmup} forwards before its first backward; 1F1B runs p - r ="
+            f" {right}, just enough to keep the stages after it busy"
+        )
+    held = peak = 0
+    for kind, _ in order:
+        held += 1 if kind == "F" else -1
+        peak = max(peak, held)
+    if peak != right:
+        return (
+            f"{where}: holds {peak} micro-batches at once, 1F1B at most p - r = {right}:"
+            " after the warm-up, run a backward before each next forward"
+        )
+    j = next(j for j, (a, b) in enumerate(zip(order, expected, strict=True)) if a != b)
+    return f"{where}: action {j} is {order[j]}, 1F1B runs {expected[j]} there"
+
+
+def check_1f1b(order_fn: object, sizes: tuple[tuple[int, int], ...] = EXERCISE_SIZES) -> OrderCheck:
+    """Check a reader's ``order_fn(p, m, r)``, the 1F1B order of stage ``r`` of ``p`` with
+    ``m`` micro-batches, as a course's test suite would, on each pipeline of ``sizes``.
+
+    On every stage the order must be a list of ``("F", i)`` and ``("B", i)`` naming each
+    micro-batch once each, forward first; all stages' orders together must run (played by
+    :func:`simulate`'s rules, they must not wait on one another for ever); and they must be
+    1F1B's, :func:`one_f_one_b_order`. The first failure is reported, with what to change.
+    A right order is also compared with PyTorch's ``Schedule1F1B.pipeline_order``
+    (:func:`torch_1f1b_orders`), stage by stage, where PyTorch lists an order of ``m``
+    micro-batches; stages where it does not are named in the verdict.
+    """
+    if not callable(order_fn):
+        raise ValueError(f"order_fn must be a function of (p, m, r), got {order_fn!r}")
+    checked = _checks.count("sizes", len(sizes), minimum=1)
+    name = getattr(order_fn, "__name__", "your function")
+    stages = torch_equal = 0
+    torch_odd: list[tuple[int, int, int, list]] = []
+    for p, m in sizes:
+        orders = []
+        for r in range(p):
+            try:
+                order = order_fn(p, m, r)
+            except Exception as error:  # the reader's code: report it, do not raise
+                message = f"{name}({p}, {m}, {r}) raised {type(error).__name__}: {error}"
+                return OrderCheck(False, (f"Not yet. {message}",))
+            problem = _order_problem(order, p, m, r)
+            if problem:
+                return OrderCheck(False, (f"Not yet. {problem}",))
+            orders.append(list(order))
+        played = [[(FORWARD if k == "F" else BACKWARD, 0, i) for k, i in o] for o in orders]
+        try:
+            _play(played, [[r] for r in range(p)], {FORWARD: 1.0, BACKWARD: 2.0}, 0.0)
+        except ValueError:
+            message = f"p = {p}, m = {m}: the stages wait on one another for ever: {_stuck(orders)}"
+            return OrderCheck(False, (f"Not yet. {message}",))
+        for r, order in enumerate(orders):
+            expected = one_f_one_b_order(p, m, r)
+            if order != expected:
+                return OrderCheck(False, (f"Not yet. {_differs(order, expected, p, m, r)}",))
+        stages += p
+        for r, listed in enumerate(torch_1f1b_orders(p, m)):
+            if _order_problem(listed, p, m, r) is None:
+                torch_equal += listed == orders[r]
+            else:
+                torch_odd.append((p, m, r, listed))
+    lines = [
+        f"Right: {name} gives 1F1B's order on all {stages} stages of {checked} pipelines",
+        f"(p = {min(p for p, _ in sizes)} to {max(p for p, _ in sizes)},"
+        f" m = {min(m for _, m in sizes)} to {max(m for _, m in sizes)}),"
+        " and the stages' orders run together.",
+        f"PyTorch's Schedule1F1B.pipeline_order lists the same order on {torch_equal} of them.",
+    ]
+    if torch_odd:
+        last = all(r == p - 1 for p, _, r, _ in torch_odd)
+        which = ", each pipeline's last stage," if last else ""
+        p, m, r, listed = torch_odd[0]
+        lines[-1] = lines[-1][:-1] + ";"
+        lines.append(f"on the other {len(torch_odd)}{which} it lists no order of m micro-batches,")
+        lines.append(f"e.g. p = {p}, m = {m}, stage {r}: {listed}")
+    return OrderCheck(True, tuple(lines))

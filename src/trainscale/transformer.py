@@ -259,13 +259,33 @@ def attend(
     """
     _checks.choice("kind", kind, ATTENTION)
     if kind == "sdpa":
-        return F.scaled_dot_product_attention(
-            q, k, v, dropout_p=dropout_p if training else 0.0, is_causal=causal
-        )
+        onednn = torch._C._get_mkldnn_enabled()
+        if _packs_beyond_capability(q):
+            torch._C._set_mkldnn_enabled(False)
+        try:
+            return F.scaled_dot_product_attention(
+                q, k, v, dropout_p=dropout_p if training else 0.0, is_causal=causal
+            )
+        finally:
+            torch._C._set_mkldnn_enabled(onednn)
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
     if causal:
         scores = scores + causal_mask(scores.shape[-1], scores.dtype, scores.device)
     return dropout(scores.softmax(dim=-1), dropout_p, training, fused_dropout) @ v
+
+
+def _packs_beyond_capability(q: torch.Tensor) -> bool:
+    """Whether torch 2.13's CPU flash attention would fail on ``q``: for bf16 and fp16 it
+    packs its inputs for AMX when the CPU has AMX (through oneDNN), and the packing then
+    refuses ("pack_vnni2 is only supported when avx512 is supported") when
+    ``ATEN_CPU_CAPABILITY`` holds the kernels below AVX512, as the book's second kernel
+    path does. With oneDNN off, the forward takes its other path and autograd keeps the
+    same tensors (checked: the same bytes); the backward is unaffected."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype in (torch.bfloat16, torch.float16)
+        and not torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    )
 
 
 class CausalSelfAttention(nn.Module):
