@@ -235,6 +235,35 @@ def test_stages_take_equal_runs_of_blocks_in_the_looped_order():
     assert [list(train.stage_layers(s, 4, 8)) for s in (1, 3)] == [[2, 3], [6, 7]]
 
 
+def test_uneven_stages_leave_the_first_and_last_one_block_short_as_llama_3_did():
+    # Llama 3 405B: 126 blocks on 16 stages, ceil = 8 each, 2 short: the first and
+    # the last hold 7 (Dubey et al. 2024, section 3.3.2); 10 on 4: 2, 3, 3, 2; one
+    # short: the first only; as many chunks as blocks + 2: the ends hold none.
+    assert train.layer_counts(16, 126) == [7, *[8] * 14, 7]
+    assert train.layer_counts(4, 10) == [2, 3, 3, 2]
+    assert train.layer_counts(4, 11) == [2, 3, 3, 3]
+    assert train.layer_counts(6, 4) == [0, 1, 1, 1, 1, 0]
+    assert [list(train.stage_layers(s, 4, 10)) for s in range(4)] == [
+        [0, 1],
+        [2, 3, 4],
+        [5, 6, 7],
+        [8, 9],
+    ]
+    with pytest.raises(ValueError, match=r"^--layers must fill"):
+        train.layer_counts(4, 9)  # 3 short: no such balance
+
+
+@given(stages=st.integers(1, 40), layers=st.integers(1, 200))
+def test_uneven_stages_hold_every_block_once_or_are_refused(stages, layers):
+    try:
+        counts = train.layer_counts(stages, layers)
+    except ValueError:
+        assert -(-layers // stages) * stages - layers > 2
+        return
+    assert sum(counts) == layers and max(counts) - min(counts) <= 1
+    assert counts[1:-1] == [max(counts)] * (stages - 2) if stages > 2 else True
+
+
 def test_stages_keep_the_unsplit_names_and_compute_the_same():
     config = train.model_config(train.parse_args(["--layers", "4", "--seq-len", "8"]))
     model = gpt(config, seed=1)
@@ -300,7 +329,7 @@ def test_the_defaults_are_valid():
         (["--parallel", "fsdp", "--tp", "2"], "--parallel"),
         (["--tp", "3"], "--heads"),
         (["--tp", "4", "--seq-len", "30"], "--seq-len"),
-        (["--pp", "2", "--layers", "3", "--grad-accum", "2"], "--layers"),
+        (["--pp", "4", "--layers", "9", "--grad-accum", "4"], "--layers"),
         (["--pp", "2", "--grad-accum", "1"], "--grad-accum"),
         (["--pp-schedule", "gpipe"], "--pp-schedule"),
         (["--pp-schedule", "interleaved"], "--virtual-stages"),
@@ -639,23 +668,93 @@ def test_the_vocabulary_is_split_and_the_loss_taken_on_split_logits(one_rank):
     assert loss.full_tensor().item() == pytest.approx(math.log(64), rel=0.05)
 
 
+TINY_LLAMA = [
+    *("--model", "llama-3-8b", "--width", "64", "--heads", "4", "--kv-heads", "2"),
+    *("--ffn", "96", "--vocab", "64", "--seq-len", "16"),
+]
+"""A Llama-shaped model small enough to track in a second per step."""
+
+
 def test_the_memory_estimate_runs_a_step_on_a_fake_world_beside_the_planner(capsys):
     # TP 2 x DP 4 of a tiny Llama on a fake world of 8 ranks, in this one process:
-    # FSDP2's sharded fp32 weights and Adam's two moments of each, and the planner's
-    # optimiser state (fp32 master weights and the moments) is the sum of the two.
-    flags = ["--estimate-memory", "--tp", "2", "--dp-shard", "4", "--model", "llama-3-8b"]
-    tiny = ["--layers", "2", "--width", "64", "--heads", "4", "--kv-heads", "2", "--ffn", "96"]
-    found = train.estimate.estimate_memory(
-        train.parse_args([*flags, *tiny, "--vocab", "64", "--seq-len", "16"])
-    )
+    # at the peak FSDP2's sharded fp32 weights and Adam's two moments of each are the
+    # optimiser state, which the planner counts as 12 bytes a parameter, 3 x the shard.
+    flags = ["--estimate-memory", "--tp", "2", "--dp-shard", "4", *TINY_LLAMA, "--layers", "2"]
+    found = train.estimate.estimate_memory(train.parse_args(flags))
     assert found["rank"] == 0 and found["layout"].world == 8
     sharded = found["peak"]["Sharded Param"]
     assert found["adam"] == 2 * sharded
+    assert found["parts"]["optimiser state"] == pytest.approx(3 * sharded, abs=100)  # + steps
     assert found["planner"]["optimiser state"] == pytest.approx(3 * sharded, rel=0.01)
+    assert sum(found["parts"].values()) == found["peak"]["Total"]
     assert not dist.is_initialized()  # the fake group is left again
-    train.main([*flags, *tiny, "--vocab", "64", "--seq-len", "16"])
+    train.main(flags)
     out = capsys.readouterr().out
-    assert "on a fake world (FSDPMemTracker" in out and "the planner's estimate" in out
+    assert "on a fake world (FSDPMemTracker" in out and "planner" in out
+
+
+def test_the_estimate_extrapolates_linearly_in_blocks_and_micro_batches():
+    # A part of 100 + 10 k + 1000 n + 7 k n bytes, measured at k = 2, 3 blocks and
+    # n = 2, 3 in flight; at k = 8, n = 16: 100 + 80 + 16,000 + 896 = 17,076.
+    part = {(k, n): {"x": 100 + 10 * k + 1000 * n + 7 * k * n} for k in (2, 3) for n in (2, 3)}
+    assert train.estimate.extrapolate(part, 8, 16) == {"x": 17_076}
+    only_blocks = {(k, 5): {"x": 100 + 10 * k} for k in (2, 3)}  # n as measured: 180
+    assert train.estimate.extrapolate(only_blocks, 8, 5) == {"x": 180}
+
+
+def test_the_estimate_measures_the_ranks_that_may_hold_the_most():
+    # Even stages: the first (most in flight) and the last (the logits); 126 blocks on
+    # 16 stages leave the first a block short: the second too.
+    layout = train.Layout(pp=16, dp_shard=2)
+    assert train.estimate.candidate_ranks(layout, 1, 128) == [0, 15]
+    assert train.estimate.candidate_ranks(layout, 1, 126) == [0, 1, 15]
+    assert train.estimate.candidate_ranks(train.Layout(dp_shard=8), 1, 32) == [0]
+
+
+def test_the_estimate_runs_the_schedules_order_of_forwards_and_backwards():
+    # 1F1B, 4 stages: rank 1 runs 3 forwards before its first backward (torch's
+    # Schedule1F1B warm-up); interleaved, 2 ranks x 2 chunks, 4 micro-batches: rank 0
+    # holds (v + 1) p - 1 = 5 forwards when its first backward comes (torch's order).
+    layout = train.Layout(pp=4, dp_shard=2)
+    order = train.estimate.schedule_order(layout, 1, 1, 8)
+    assert order == [("F", 0, i) for i in range(3)] + [("B", 0, i) for i in range(3)]
+    two = train.Layout(pp=2, dp_shard=2)
+    with train.estimate.fake_world(two, 0):
+        order = train.estimate.schedule_order(two, 0, 2, 128)
+    first_backward = next(i for i, (kind, _, _) in enumerate(order) if kind == "B")
+    assert first_backward == 5 and [c for _, c, _ in order[:5]] == [0, 0, 1, 1, 0]
+    assert sorted(order) == sorted({(k, c, m) for k in "FB" for c in (0, 1) for m in range(4)})
+
+
+@pytest.mark.slow  # about a minute of fake steps in this process (no process started)
+@pytest.mark.parametrize(
+    ("flags", "ranks"),
+    [
+        # 18 blocks on 4 stages (4, 5, 5, 4), 4 micro-batches: scaled from 3 and 4 blocks
+        # per stage and 2 and 3 in flight (rank 0), or in blocks alone (rank 3)
+        ("--layers 18 --tp 2 --pp 4 --dp-shard 2 --grad-accum 4 --zero 1", (0, 3)),
+        # interleaved, 4 chunks of 4: scaled from 2 and 3 blocks per chunk
+        (
+            "--layers 16 --pp 2 --dp-shard 2 --pp-schedule interleaved --virtual-stages 2"
+            " --grad-accum 4 --recompute selective",
+            (0,),
+        ),
+    ],
+)
+def test_the_scaled_estimate_equals_a_run_of_every_block(flags, ranks):
+    # The shortcut against a run of every block, on a small case: every category at the
+    # peak, the gradients' highest and Adam's moments to the byte (tolerance 0: every
+    # part is a line in blocks and micro-batches once FSDP's prefetch is in every
+    # measurement, train.estimate.START).
+    config = train.parse_args([*TINY_LLAMA, *flags.split()])
+    layout = config.layout(train.ranks_needed(config))
+    for rank in ranks:
+        scaled = train.estimate.measure_rank(config, layout, rank, all_layers=False)
+        every = train.estimate.measure_rank(config, layout, rank, all_layers=True)
+        assert len(scaled["measured_at"]) > 1 and len(every["measured_at"]) == 1
+        assert scaled["peak"] == every["peak"]
+        assert (scaled["gradients"], scaled["adam"]) == (every["gradients"], every["adam"])
+        assert scaled["in_flight"] == every["in_flight"]
 
 
 # --------------------------------------------------------------------------- one process
@@ -784,6 +883,9 @@ def _two_scalars_agree(history: dict, reference: dict) -> bool:
         "--dp-shard 8 --micro-batch 1 --local-accumulation",  # FSDP, whole gradients held
         "--tp 2 --dp-replicate 2 --dp-shard 2 --recompute selective",  # HSDP with TP, SAC
         "--cp 2 --tp 2 --pp 2 --zero 2",  # four dimensions: ring attention too
+        # 6 chunks of 4 blocks (Llama 3's balance): the first only the embedding, the
+        # last only the final norm and head
+        "--pp 2 --pp-schedule interleaved --virtual-stages 3 --dp-shard 4",
     ],
 )
 def test_a_layout_trains_like_one_process(one_process, layout, tmp_path, capsys):

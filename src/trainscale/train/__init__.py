@@ -139,7 +139,7 @@ from trainscale.train.parallelize import (
     stage_plan,
     tensor_parallel_plan,
 )
-from trainscale.train.shapes import GPT_SHAPE, MODEL_PRESETS, RECOMPUTE
+from trainscale.train.shapes import GPT_SHAPE, MODEL_PRESETS, RECOMPUTE, layer_counts
 from trainscale.train.stages import (
     Stage,
     build_mesh,
@@ -191,6 +191,7 @@ __all__ = [
     "gradient_bytes",
     "init_stage",
     "latest_checkpoint",
+    "layer_counts",
     "load_latest",
     "loss_floor",
     "loss_parallel",

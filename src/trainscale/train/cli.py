@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
             p.exit(2, f"{p.prog}: error: {error}\n")
         from trainscale.train.estimate import report  # imports the fake process group
 
-        lines = report(config)
+        lines = report(config, config.estimate_all_layers)
         print("\n".join(lines))
         return {"estimate": lines}
     try:

@@ -16,7 +16,15 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from trainscale import _checks
-from trainscale.train.shapes import DIMS, GPT_SHAPE, MODEL_PRESETS, PP_SCHEDULES, RECOMPUTE, Layout
+from trainscale.train.shapes import (
+    DIMS,
+    GPT_SHAPE,
+    MODEL_PRESETS,
+    PP_SCHEDULES,
+    RECOMPUTE,
+    Layout,
+    layer_counts,
+)
 from trainscale.transformer import MLPS, NORMS, POSITIONS, GPTConfig
 
 PROG = "python -m trainscale.train"
@@ -144,6 +152,11 @@ class TrainConfig:
         "train nothing: one step of the fullest stage's rank on a fake world of the layout's"
         " size, torch's memory tracker beside the planner's estimate",
     )
+    estimate_all_layers: bool = flag(
+        False,
+        "with --estimate-memory: run every block of the stage, not one or two per chunk"
+        " scaled up (slower)",
+    )
     drop_gradient: str | None = flag(
         None,
         "a planted bug, for the parity check: the first data-parallel rank zeroes its shard"
@@ -262,11 +275,7 @@ class TrainConfig:
                 f"--virtual-stages must be >= 2 with --pp-schedule interleaved, got {v}"
             )
         tp, pp, cp = (getattr(self, name) or 1 for name in ("tp", "pp", "cp"))
-        if self.layers % (pp * v):
-            raise ValueError(
-                f"--layers must be a multiple of --pp x --virtual-stages = {pp * v}, "
-                f"got {self.layers}"
-            )
+        layer_counts(pp * v, self.layers)  # even, or one block short at either end
         if self.heads % tp:
             raise ValueError(f"--heads must be a multiple of --tp={tp}, got {self.heads}")
         if self.vocab % tp:

@@ -4,23 +4,39 @@ does).
 
 One process plays one rank of the full world: a ``fake`` process group of the layout's
 world size (``torch.testing._internal.distributed.fake_pg``; its collectives return at
-once), the rank's stages built on the meta device and parallelised as
+once), the rank's pipeline stages built on the meta device and parallelised as
 :func:`trainscale.train.parallelize.build` does, with the GPU's mixed precision
 (bfloat16 weights, float32 reduction); then, under ``FakeTensorMode`` (tensors with
-shapes and no storage), ``to_empty``, AdamW and one training step, tracked by torch's
-``FSDPMemTracker``. The rank is the first of the first pipeline stage, the fullest under
-1F1B (the planner's too): it runs ``--pp`` micro-batches' forwards before their
-backwards, as 1F1B keeps them in flight there (with ``--virtual-stages``, only its
-first chunk is tracked). TECH_NOTES ("Memory at full size without
-GPUs") says what runs under fake tensors and what does not.
+shapes and no storage), ``to_empty``, AdamW with its moments made, and one training
+step, tracked by torch's ``FSDPMemTracker``: the forwards and backwards this rank runs
+in the pipeline schedule's order (:func:`schedule_order`), then the optimiser step.
+
+The fullest rank is found, not assumed: the first pipeline rank (the most micro-batches
+in flight), the second (as many, less one, and with uneven stages one block more) and
+the last (the logits) are each measured, and the one with the highest peak is reported.
+
+A shortcut keeps this within seconds (:func:`estimate_memory`): a stage's memory grows
+by the same bytes for every block it holds and, under 1F1B, for every micro-batch in
+flight, so each rank is measured at full width with one and two blocks per model
+chunk (two and three where a chunk is one block short) and, under 1F1B, one and two
+micro-batches in flight, and every part is extrapolated to the stage's blocks and
+micro-batches (linearly in each, :func:`extrapolate`). The tests check the shortcut
+against a run of every block on a small case; ``--estimate-all-layers`` runs every
+block instead. TECH_NOTES ("Memory at full size without GPUs") says what runs under
+fake tensors and what does not.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from trainscale import memory
@@ -34,117 +50,341 @@ from trainscale.train.parallelize import (
     fsdp_mesh,
     reshard_after_forward,
 )
-from trainscale.train.shapes import DIMS, Layout
+from trainscale.train.shapes import DIMS, Layout, layer_counts
 from trainscale.train.stages import build_mesh, meta_stages, stage_ids
 
-TRACKED = (
-    "Sharded Param",
-    "Unsharded Param",
-    "Sharded Grad",
-    "Unsharded Grad",
-    "Optstate",
-    "Activation",
-    "Temp",
-    "All Gather",
-    "Reduce Scatter",
-    "Inputs",
-    "Buffer",
-)
-"""FSDPMemTracker's categories, in the order the estimate prints them."""
+PARTS: dict[str, tuple[str, ...]] = {
+    "weights": ("Unsharded Param", "All Gather"),
+    "gradients": ("Sharded Grad", "Unsharded Grad", "Reduce Scatter"),
+    "optimiser state": ("Sharded Param", "OptState"),
+    "activations": ("Activation", "Temp", "Inputs"),
+    "buffers": ("Buffer",),
+}
+"""The planner's memory parts (:data:`trainscale.planner.MEMORY_PARTS`, and buffers, which
+it leaves out) as sums of ``FSDPMemTracker``'s categories: the weights the layers
+compute with are the gathered bfloat16 copies (and the all-gather's buffers); the
+optimiser state holds the float32 master weights, which under FSDP2 are the sharded
+parameters themselves, and Adam's two moments; activations are what forward keeps for
+backward and backward's temporaries (the gradients of activations, the logits')."""
 
 
-def estimate_memory(config: TrainConfig) -> dict[str, Any]:
-    """Run one step of the first stage's first rank on a fake world of the layout's
-    size; return its ``rank``, ``layout``, FSDPMemTracker's ``peak`` bytes by category
-    (:data:`TRACKED`) and the ``planner``'s memory parts for the same layout (``None``
-    where the planner cannot evaluate it)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+class _Tracker:
+    """``FSDPMemTracker`` over several pipeline chunks, recording the highest value of each
+    category and of each part (:data:`PARTS`, its categories summed at one moment) as
+    well as the categories at the highest total."""
+
+    def __init__(self, parts: list[torch.nn.Module], optimizer: torch.optim.Optimizer) -> None:
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+        highest: dict[str, int] = {}
+
+        class Recording(FSDPMemTracker):
+            def _update_snap(self, *args: Any, **kwargs: Any) -> None:
+                super()._update_snap(*args, **kwargs)
+                for snap in self._curr_mem_snap.values():
+                    now = {getattr(k, "value", k): size for k, size in snap.items()}
+                    for part, kinds in PARTS.items():  # each part's sum, at this moment
+                        now[part] = sum(now.get(k, 0) for k in kinds)
+                    for name, size in now.items():
+                        if size > highest.get(name, 0):
+                            highest[name] = size
+
+        self.tracker = Recording(parts[0], optimizer)
+        # A rank's chunks are separate FSDP roots; the tracker instruments every FSDP
+        # module under its root (`_root_mod.modules()`), so it is given all of them.
+        self.tracker._root_mod = torch.nn.ModuleList(parts)
+        self.highest = highest
+
+    def forget(self, part: torch.nn.Module) -> None:
+        """Let ``part`` run forward again: the tracker refuses a root's second forward in
+        one iteration unless its statistics are dropped (its inner modules' stay)."""
+        self.tracker.memory_tracking.pop(part, None)
+
+    def peak(self) -> dict[str, int]:
+        """The categories at the moment of the highest total (key ``"Total"`` too)."""
+        snapshot = self.tracker.get_tracker_snapshot("peak")
+        (by_kind,) = [v for k, v in snapshot.items() if isinstance(k, torch.device)] or [{}]
+        return {getattr(k, "value", k): v for k, v in by_kind.items()}
+
+
+def schedule_order(layout: Layout, pp_rank: int, virtual_stages: int, micro_batches: int):
+    """The forwards (``"F"``) and backwards (``"B"``) pipeline rank ``pp_rank`` runs in
+    one step, as ``(kind, chunk, micro_batch)``, ``chunk`` indexing the rank's chunks
+    (:func:`~trainscale.train.stages.stage_ids`). Without a pipeline: one forward, one
+    backward. 1F1B: ``min(micro_batches, pp - pp_rank)`` forwards before the first
+    backward (torch's ``Schedule1F1B._step_microbatches``, its warm-up), then the
+    backwards; as many in flight as it ever holds. Interleaved: the order torch's
+    ``ScheduleInterleaved1F1B`` computes (its ``pipeline_order``; built on the fake
+    world) for ``min(micro_batches, 2 pp)`` micro-batches, enough for its warm-up's
+    ``(v - 1) pp + 2 (pp - 1 - rank) + 1`` forwards in flight."""
+    if layout.pp == 1:
+        return [("F", 0, 0), ("B", 0, 0)]
+    if virtual_stages == 1:
+        n = min(micro_batches, layout.pp - pp_rank)
+        return [("F", 0, i) for i in range(n)] + [("B", 0, i) for i in range(n)]
+    from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+
+    ids = stage_ids(pp_rank, layout.pp, virtual_stages)
+    cpu = torch.device("cpu")
+    group = build_mesh(layout, cpu).get_group("pp")  # on the fake world of track_step
+    total = layout.pp * virtual_stages
+    stages = [PipelineStage(torch.nn.Identity(), s, total, cpu, group=group) for s in ids]
+    schedule = ScheduleInterleaved1F1B(stages, min(micro_batches, 2 * layout.pp))
+    kinds = {"FORWARD": "F", "FULL_BACKWARD": "B"}
+    return [
+        (kinds[a.computation_type.name], ids.index(a.stage_index), a.microbatch_index)
+        for a in schedule.pipeline_order[pp_rank]
+        if a is not None
+    ]
+
+
+@dataclass(frozen=True)
+class Tracked:
+    """One tracked step: each category's ``highest`` bytes during it, the categories at
+    the ``peak`` (the highest total, key ``"Total"``), ``adam``, the bytes of Adam's
+    moments counted from the optimiser, and the most forwards ``in_flight`` at once."""
+
+    highest: dict[str, int]
+    peak: dict[str, int]
+    adam: int
+    in_flight: int
+
+
+@contextlib.contextmanager
+def fake_world(layout: Layout, pp_rank: int) -> Iterator[DeviceMesh]:
+    """A fake process group of ``layout.world`` ranks, this process the first rank of
+    pipeline rank ``pp_rank`` (every other coordinate 0); yields its mesh."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    rank = pp_rank * (layout.world // layout.pp)
+    dist.init_process_group("fake", rank=rank, world_size=layout.world, store=FakeStore())
+    try:
+        yield build_mesh(layout, torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()
+        # DTensor caches its sharding and redistribution plans by mesh, and a mesh of
+        # the next fake world compares equal to this one's (torch 2.13): drop them, or
+        # they bring back this world's process groups.
+        from torch.distributed.tensor import _redistribute, debug
+
+        debug._clear_sharding_prop_cache()  # the Python cache and the fast path's
+        DTensor._op_dispatcher.sharding_propagator._propagate_tensor_meta_cached.cache_clear()
+        _redistribute._gen_transform_infos.cache_clear()
+        _redistribute.clear_redistribute_planner_cache()
+
+
+def track_step(
+    config: TrainConfig,
+    layout: Layout,
+    mesh: DeviceMesh,
+    micro_batches: int,
+    tracked: bool = True,
+) -> Tracked | None:
+    """One training step of this rank of the fake world (:func:`fake_world`), running
+    the schedule's order for ``micro_batches`` (:func:`schedule_order`) under
+    ``FSDPMemTracker`` (untracked, returning ``None``, unless ``tracked``).
+
+    The first time DTensor meets an operation on given shapes it works out the output's
+    sharding by running the operation on fake tensors, in this same fake mode, where the
+    tracker counts them (transient tensors, at the peak too); a step of the same shapes
+    run untracked first in the same world (:func:`measure_rank`) leaves only the step's
+    own tensors to count."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    cpu = torch.device("cpu")
+    pp_rank = mesh.get_local_rank("pp")
+    ids = stage_ids(pp_rank, layout.pp, config.virtual_stages)
+    parts = meta_stages(model_config(config), ids, layout.pp * config.virtual_stages)
+    dp_mesh = fsdp_mesh(mesh, layout)
+    order = schedule_order(layout, pp_rank, config.virtual_stages, micro_batches)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for part in parts:
+        if layout.tp > 1:
+            apply_tensor_parallel(part, mesh["tp"])
+        if layout.cp > 1:
+            apply_context_parallel(part, mesh, config.seq_len)
+        apply_recomputation(part, config.recompute)
+        apply_fsdp(part, dp_mesh, reshard_after_forward(config, layout), policy)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        for part in parts:
+            part.to_empty(device=cpu)
+        params = [p for part in parts for p in part.parameters()]
+        optimizer = torch.optim.AdamW(params, lr=config.lr, foreach=False)
+        for p in params:  # Adam's moments exist from the first step on: make them
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        tracker = _Tracker(parts, optimizer)
+        tokens = config.seq_len // layout.cp
+        shape = (config.micro_batch, tokens // layout.tp, config.width)
+        outputs: dict[tuple[int, int], torch.Tensor] = {}
+        watch = tracker.tracker if tracked else contextlib.nullcontext()
+        split = loss_parallel() if layout.tp > 1 else contextlib.nullcontext()
+        with watch, split:
+            for kind, chunk, micro in order:
+                part = parts[chunk]
+                if kind == "F":
+                    tracker.forget(part)
+                    if part.token_embedding is not None:
+                        x = torch.randint(0, config.vocab, (config.micro_batch, tokens))
+                    else:  # what the previous stage sends: bf16, this rank's share
+                        x = torch.randn(shape, dtype=torch.bfloat16, requires_grad=True)
+                    out = part(x)
+                    if part.head is not None:
+                        target = torch.randint(0, config.vocab, (config.micro_batch, tokens))
+                        out = _loss(out, target)
+                    outputs[chunk, micro] = out
+                else:
+                    out = outputs.pop((chunk, micro))
+                    out.backward(None if out.dim() == 0 else torch.randn_like(out))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        if not tracked:
+            return None
+        adam = sum(
+            (v.to_local() if isinstance(v, DTensor) else v).numel() * v.element_size()
+            for state in optimizer.state.values()
+            for v in state.values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0
+        )
+        flight = most = 0
+        for kind, _, _ in order:
+            flight += 1 if kind == "F" else -1
+            most = max(most, flight)
+        return Tracked(dict(tracker.highest), tracker.peak(), adam, most)
+
+
+def extrapolate(values: dict[tuple[int, int], dict[str, int]], k: int, n: int) -> dict[str, int]:
+    """Each category at ``k`` blocks per chunk and ``n`` micro-batches in flight, from
+    measurements at ``(k0, n0)``, ``(k0 + 1, n0)`` and, if there, ``(k0, n0 + 1)`` and
+    ``(k0 + 1, n0 + 1)`` (the keys of ``values``): linear in each, with the product term
+    (the activations: blocks times micro-batches)."""
+    (k0, n0) = min(values)
+    f = {key: values[key] for key in values}
+    kinds = set().union(*f.values())
+    out = {}
+    for kind in kinds:
+        at = {key: f[key].get(kind, 0) for key in f}
+        base = at[k0, n0]
+        per_block = at[k0 + 1, n0] - base
+        value = base + (k - k0) * per_block
+        if (k0, n0 + 1) in at:
+            per_micro = at[k0, n0 + 1] - base
+            both = at[k0 + 1, n0 + 1] - at[k0 + 1, n0] - per_micro
+            value += (n - n0) * per_micro + (k - k0) * (n - n0) * both
+        out[kind] = value
+    return out
+
+
+START = 2
+"""The shortcut's smallest measurement: blocks per chunk and micro-batches in flight."""
+
+
+def measure_rank(config: TrainConfig, layout: Layout, pp_rank: int, all_layers: bool) -> dict:
+    """Pipeline rank ``pp_rank``'s tracked step: measured with every block
+    (``all_layers``) or by the shortcut of the module docstring, after an untracked
+    step of a small shape (:func:`track_step`). Returns the categories at the ``peak``,
+    ``adam``, the ``gradients``' highest (at the end of backward), ``in_flight`` and
+    ``measured_at``, the ``(blocks per chunk, micro-batches in flight)`` points run.
+
+    Only quantities at one phase of the step extrapolate: the peak (the start of the
+    backward, every micro-batch's activations held) and the gradients' highest (the end
+    of the backward, every shard's gradient held). A part's own highest over the step
+    may not: the gathered weights peak at the largest all-gather on a short stage and
+    at the last block's on a long one, a maximum of two lines, not a line."""
+    chunks = layout.pp * config.virtual_stages
+    counts = layer_counts(chunks, config.layers)
+    per, short = max(counts), max(counts) * chunks - config.layers
+    in_flight = min(config.grad_accum, layout.pp - pp_rank) if layout.pp > 1 else 1
+    interleaved = config.virtual_stages > 1
+    # From two blocks per chunk on (three where a chunk is one short), FSDP's
+    # prefetch of the next block's weights is in every measurement, and from two
+    # micro-batches in flight on, whatever overlaps one with the next.
+    k0 = START + (short > 0)
+    if all_layers or per <= k0 + 1:
+        points = [(per, in_flight)]
+    else:
+        blocks = (k0, k0 + 1)
+        many = not interleaved and in_flight > START + 1
+        flights = (START, START + 1) if many else (in_flight,)
+        points = [(k, n) for n in flights for k in blocks]
+    found: dict[tuple[int, int], Tracked] = {}
+    with fake_world(layout, pp_rank) as mesh:
+        # untracked first: one block per chunk (two where one is short), the fewest
+        # micro-batches the schedule takes
+        warm = dataclasses.replace(config, layers=(1 + (short > 0)) * chunks - short)
+        track_step(warm, layout, mesh, layout.pp if interleaved else 1, tracked=False)
+        for k, n in points:
+            smaller = dataclasses.replace(config, layers=k * chunks - short)
+            micro = config.grad_accum if interleaved else n  # 1F1B: n in flight
+            found[k, n] = track_step(smaller, layout, mesh, micro)
+    flights = max(f.in_flight for f in found.values()) if interleaved else in_flight
+    each = {
+        point: {**f.peak, "adam": f.adam, "gradients": f.highest.get("gradients", 0)}
+        for point, f in found.items()
+    }
+    scaled = each[points[0]] if len(points) == 1 else extrapolate(each, per, in_flight)
+    return {
+        "peak": {k: v for k, v in scaled.items() if k not in ("adam", "gradients")},
+        "adam": scaled["adam"],
+        "gradients": scaled["gradients"],
+        "in_flight": flights,
+        "measured_at": points,
+    }
+
+
+def candidate_ranks(layout: Layout, virtual_stages: int, layers: int) -> list[int]:
+    """The pipeline ranks that may hold the most: the first (the most micro-batches in
+    flight, and the embedding), the last (the logits), and, where the first stage is a
+    block short (:func:`~trainscale.train.shapes.layer_counts`), the second (one
+    micro-batch fewer in flight, one block more); with even stages it holds less than
+    the first."""
+    chunks = layout.pp * virtual_stages
+    short = -(-layers // chunks) * chunks - layers
+    return sorted({0, layout.pp - 1} | ({1} if short and layout.pp > 2 else set()))
+
+
+def estimate_memory(config: TrainConfig, all_layers: bool = False) -> dict[str, Any]:
+    """The fullest rank's tracked step on a fake world of the layout's size (every
+    :func:`candidate_ranks`, by the shortcut unless ``all_layers``): its ``rank``,
+    ``pp_rank``, ``layout``, ``in_flight``, the ``peak`` bytes by category and by the
+    planner's ``parts`` (:data:`PARTS`, at the peak), the ``gradients``' own highest,
+    ``adam``, ``measured_at``, ``totals`` (each candidate's peak) and the ``planner``'s
+    memory parts for the same layout (``None`` where it cannot evaluate it)."""
     world = 1
     for name in DIMS:
         world *= getattr(config, name) or 1
     config = config.for_world(world)
     layout = config.layout(world)
-    shape = model_config(config)
-    total = layout.pp * config.virtual_stages
-    stage = pp_rank = 0  # 1F1B's first stage holds --pp micro-batches' activations
-
-    rank = pp_rank * (world // layout.pp)  # every other coordinate 0
-    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
-    try:
-        cpu = torch.device("cpu")
-        mesh = build_mesh(layout, cpu)
-        parts = meta_stages(shape, stage_ids(pp_rank, layout.pp, config.virtual_stages), total)
-        dp_mesh = fsdp_mesh(mesh, layout)
-        policy = torch.distributed.fsdp.MixedPrecisionPolicy(
-            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
-        )
-        for part in parts:
-            if layout.tp > 1:
-                apply_tensor_parallel(part, mesh["tp"])
-            if layout.cp > 1:
-                apply_context_parallel(part, mesh, config.seq_len)
-            apply_recomputation(part, config.recompute)
-            apply_fsdp(part, dp_mesh, reshard_after_forward(config, layout), policy)
-        ids = stage_ids(pp_rank, layout.pp, config.virtual_stages)
-        part = next(p for p, s in zip(parts, ids, strict=True) if s == stage)
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            part.to_empty(device=cpu)
-            optimizer = torch.optim.AdamW(part.parameters(), lr=config.lr, foreach=False)
-            tokens = config.seq_len // layout.cp
-            local = tokens // layout.tp
-            in_flight = layout.pp - pp_rank if layout.pp > 1 else 1
-
-            def step() -> None:
-                outputs = []
-                for _ in range(in_flight):
-                    tracker.reset_mod_stats()  # it counts one forward per module otherwise
-                    if part.token_embedding is not None:
-                        x = torch.randint(0, config.vocab, (config.micro_batch, tokens))
-                    else:
-                        x = torch.randn(config.micro_batch, local, config.width, requires_grad=True)
-                    outputs.append(part(x))
-                for out in outputs:
-                    if part.head is not None:
-                        target = torch.randint(0, config.vocab, (config.micro_batch, tokens))
-                        with _loss_context(layout):
-                            _loss(out, target).backward()
-                    else:
-                        out.backward(torch.randn_like(out))
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-
-            tracker = FSDPMemTracker(part, optimizer)
-            with tracker:  # the first step creates Adam's moments; the second holds them
-                step()
-                step()
-            peak = tracker.get_tracker_snapshot("peak")
-            adam = sum(
-                (v.to_local() if isinstance(v, DTensor) else v).numel() * v.element_size()
-                for state in optimizer.state.values()
-                for v in state.values()
-                if isinstance(v, torch.Tensor) and v.dim() > 0
-            )
-    finally:
-        dist.destroy_process_group()
-    (by_kind,) = [v for k, v in peak.items() if isinstance(k, torch.device)] or [{}]
+    found = {
+        r: measure_rank(config, layout, r, all_layers)
+        for r in candidate_ranks(layout, config.virtual_stages, config.layers)
+    }
+    pp_rank = max(found, key=lambda r: found[r]["peak"].get("Total", 0))
+    best = found[pp_rank]
+    peak = best["peak"]
     return {
-        "rank": rank,
-        "stage": stage,
+        "rank": pp_rank * (world // layout.pp),
+        "pp_rank": pp_rank,
         "layout": layout,
-        "peak": dict(by_kind),
-        "in_flight": in_flight,
-        "adam": adam,
+        "in_flight": best["in_flight"],
+        "peak": peak,
+        "parts": {part: sum(peak.get(k, 0) for k in kinds) for part, kinds in PARTS.items()},
+        "gradients": best["gradients"],
+        "adam": best["adam"],
+        "measured_at": best["measured_at"],
+        "totals": {r: f["peak"].get("Total", 0) for r, f in found.items()},
         "planner": planned_memory(config, layout),
     }
 
 
 def planned_memory(config: TrainConfig, layout: Layout) -> dict[str, float] | None:
     """The planner's memory parts (:data:`trainscale.planner.MEMORY_PARTS`, bytes on one
-    GPU of the fullest stage) for this layout of this model on H100 nodes of 8 GPUs, or
-    ``None`` where it cannot evaluate the layout (HSDP, which it does not model)."""
+    GPU of the fullest stage) for this layout of this model (its parameters counted from
+    the runner's shape) on H100 nodes of 8 GPUs, or ``None`` where it cannot evaluate the
+    layout (HSDP, which it does not model)."""
     from trainscale import planner
     from trainscale.transformer import parameter_counts
 
@@ -182,46 +422,33 @@ def planned_memory(config: TrainConfig, layout: Layout) -> dict[str, float] | No
     return dict(planned.memory_parts)
 
 
-def _loss_context(layout: Layout):
-    from contextlib import nullcontext
-
-    from torch.distributed.tensor.parallel import loss_parallel
-
-    return loss_parallel() if layout.tp > 1 else nullcontext()
-
-
-def report(config: TrainConfig) -> list[str]:
-    """The lines ``--estimate-memory`` prints: torch's tracked peak by category and the
-    planner's parts, GiB. The two group differently: the planner's weights are the
-    gathered bf16 copies and its optimiser state holds the fp32 master weights, where
-    FSDP2's sharded fp32 parameters are the master weights themselves."""
-    found = estimate_memory(config)
-    peak = found["peak"]
+def report(config: TrainConfig, all_layers: bool = False) -> list[str]:
+    """The lines ``--estimate-memory`` prints: the fullest rank's memory at its peak by
+    the planner's parts, beside the planner's parts, in GiB."""
+    found = estimate_memory(config, all_layers)
+    gib = memory.GIB
+    if all_layers:
+        how = "every block"
+    else:
+        how = f"scaled from (blocks per chunk, in flight) {found['measured_at']}"
     lines = [
-        f"one training step of rank {found['rank']} (stage {found['stage']}, the fullest"
-        " under 1F1B) of "
-        f"{found['layout'].describe()}, {found['in_flight']} micro-batch(es) in flight, "
-        "on a fake world (FSDPMemTracker, bf16 weights, fp32 reduction):",
+        f"rank {found['rank']} (pipeline rank {found['pp_rank']}, the fullest of"
+        f" {len(found['totals'])} measured) of {found['layout'].describe()},"
+        f" {found['in_flight']} forward(s) in flight; one step on a fake world"
+        f" (FSDPMemTracker, bf16 weights, fp32 reduction; {how}):",
+        f"  {'GiB':<16} {'at the peak':>11} {'planner':>10}",
     ]
-    for kind in TRACKED:
-        if peak.get(kind):
-            lines.append(
-                f"  {kind:<16} {peak[kind] / memory.GIB:10.4f} GiB {peak[kind]:>16,} bytes"
-            )
-    total = peak.get("Total", sum(peak.values()))
-    lines.append(f"  {'Total':<16} {total / memory.GIB:10.4f} GiB {int(total):>16,} bytes")
-    if not peak.get("Optstate"):
-        adam = found["adam"]
-        lines.append(
-            f"  + Adam's moments {adam / memory.GIB:10.4f} GiB {adam:>16,} bytes (counted from"
-            " the optimiser: the tracker's snapshot misses its DTensor states here)"
-        )
-    planned = found["planner"]
-    if planned is None:
+    planned = found["planner"] or {}
+    for part, size in found["parts"].items():
+        plan = planned.get(part)
+        shown = "-" if plan is None else f"{plan / gib:.2f}"
+        lines.append(f"  {part:<16} {size / gib:11.2f} {shown:>10}")
+    peak = found["peak"].get("Total", 0)
+    plan_total = f"{sum(planned.values()) / gib:.2f}" if planned else "-"
+    lines.append(f"  {'total':<16} {peak / gib:11.2f} {plan_total:>10}")
+    lines.append(
+        f"  the gradients' own highest, at the end of backward: {found['gradients'] / gib:.2f}"
+    )
+    if found["planner"] is None:
         lines.append("the planner does not model this layout (HSDP)")
-        return lines
-    lines.append("the planner's estimate for one GPU of the fullest stage:")
-    for part, size in planned.items():
-        lines.append(f"  {part:<16} {size / memory.GIB:10.4f} GiB")
-    lines.append(f"  {'Total':<16} {sum(planned.values()) / memory.GIB:10.4f} GiB")
     return lines

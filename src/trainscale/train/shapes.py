@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from trainscale import _checks
 from trainscale.planner.inputs import LLAMA3
 from trainscale.transformer import LLAMA_SHAPE
 
@@ -57,6 +58,30 @@ class Layout:
         dp = f"DP {self.dp} (replicate {self.dp_replicate} x shard {self.dp_shard})"
         cp = f" x CP {self.cp}" if self.cp > 1 else ""
         return f"TP {self.tp} x PP {self.pp} x {dp}{cp}"
+
+
+def layer_counts(stages: int, layers: int) -> list[int]:
+    """How many of ``layers`` blocks each of ``stages`` pipeline stages (model chunks, in
+    the order of the model) holds: an equal share, or, when they do not divide, Llama 3's
+    balance (Dubey et al. 2024, arXiv 2407.21783, section 3.3.2), which the planner
+    assumes too (``trainscale.planner.memory``'s ``_stage``): every stage
+    ``ceil(layers / stages)`` blocks, the first and then the last one fewer, the embedding
+    and the output layer taking a block's place. 126 blocks on 16 stages: 7, 8, ..., 8, 7.
+    More than two blocks short has no such balance: ``ValueError`` naming ``--layers``."""
+    n = _checks.count("stages", stages, minimum=1)
+    total = _checks.count("layers", layers, minimum=1)
+    per = -(-total // n)
+    short = per * n - total
+    if short > min(2, n):
+        raise ValueError(
+            f"--layers must fill --pp x --virtual-stages = {n} stages evenly or leave only"
+            f" the first and the last one block short ({n * per - 2} to {n * per} for"
+            f" {per} per stage), got {total}"
+        )
+    counts = [per] * n
+    for stage in (0, n - 1)[:short]:
+        counts[stage] -= 1
+    return counts
 
 
 RECOMPUTE = ("none", "selective", "full")

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distr
 from torch.utils.checkpoint import checkpoint
 
 from trainscale import _checks
-from trainscale.train.shapes import DIMS, Layout
+from trainscale.train.shapes import DIMS, Layout, layer_counts
 from trainscale.transformer import GPT, GPTConfig, init_parameter, qkv_by_head_order
 
 
@@ -39,9 +39,11 @@ def stage_ids(pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
 
 
 def stage_layers(stage: int, stages: int, layers: int) -> range:
-    """The blocks of stage ``stage`` of ``stages``: an equal, contiguous share of ``layers``."""
-    per = layers // stages
-    return range(stage * per, (stage + 1) * per)
+    """The blocks of stage ``stage`` of ``stages``: a contiguous run of ``layers``, as many
+    as :func:`layer_counts` gives it."""
+    counts = layer_counts(stages, layers)
+    start = sum(counts[:stage])
+    return range(start, start + counts[stage])
 
 
 class Stage(torch.nn.Module):
