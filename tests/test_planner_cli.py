@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from trainscale import planner, train
+from trainscale.memory import GIB
 from trainscale.planner import cli as planner_cli
 from trainscale.published import published_runs
 
@@ -159,11 +160,39 @@ def test_the_report_lists_the_planners_best_shapes_and_commands(example):
     assert "keeps every listener on 127.0.0.1" in example.text
 
 
+def _commanded(example: SimpleNamespace) -> planner.Layout:
+    """The layout whose command the CLI prints: the fastest the capstone can run, among
+    the planned ones or, if none, among those planned on its own stack."""
+    place, _, _ = planner_cli._runnable(example.best, example.request)
+    if place is not None:
+        return example.best[place]
+    best = planner_cli._runner_best(example.request)
+    place, _, _ = planner_cli._runnable(best, example.request)
+    return best[place]
+
+
+def test_the_printed_command_fits_on_the_capstones_own_stack(example):
+    # The planner's default stack fuses element-wise ops and the loss; the capstone runs
+    # them eagerly (torchtitan-2024's preset), which keeps more: its command is for a
+    # layout that fits there, and a faster one that does not is named with its memory.
+    chosen = _commanded(example)
+    request = example.request
+    runner = planner_cli.on_the_runner(chosen, request.model, request.cluster)
+    assert runner.verdict == "fits"
+    for place, layout in enumerate(example.best):
+        if layout is chosen:
+            break
+        needs = planner_cli.on_the_runner(layout, request.model, request.cluster)
+        if needs.verdict != "fits":
+            assert f"cannot run layout {place + 1} as planned: on its stack" in example.text
+            assert f"{needs.memory_bytes / GIB:.1f} GiB per GPU" in example.text
+
+
 def test_the_printed_commands_parse_with_the_capstones_own_checks(example):
     if "--tp" not in train.parser().format_help():
         pytest.skip("trainscale.train does not take --tp yet (issue 14, section 1)")
     cluster, laptop = (_train_argv(c) for c in _commands(example.text))
-    best = example.best[0]
+    best = _commanded(example)
     assert cluster == planner_cli.train_flags(best, example.request.model, 989e12)
     config = train.parse_args(cluster)
     assert config.layout(64).sizes == (

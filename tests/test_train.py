@@ -713,11 +713,16 @@ def test_the_estimate_measures_the_ranks_that_may_hold_the_most():
 
 def test_the_estimate_runs_the_schedules_order_of_forwards_and_backwards():
     # 1F1B, 4 stages: rank 1 runs 3 forwards before its first backward (torch's
-    # Schedule1F1B warm-up); interleaved, 2 ranks x 2 chunks, 4 micro-batches: rank 0
-    # holds (v + 1) p - 1 = 5 forwards when its first backward comes (torch's order).
+    # Schedule1F1B warm-up), then a backward and a forward in turn; without a pipeline,
+    # a forward and a backward per micro-batch; interleaved, 2 ranks x 2 chunks, 4
+    # micro-batches: rank 0 holds (v + 1) p - 1 = 5 forwards when its first backward
+    # comes (torch's order).
     layout = train.Layout(pp=4, dp_shard=2)
-    order = train.estimate.schedule_order(layout, 1, 1, 8)
-    assert order == [("F", 0, i) for i in range(3)] + [("B", 0, i) for i in range(3)]
+    order = train.estimate.schedule_order(layout, 1, 1, 4)
+    f, b = (("F", 0, i) for i in range(4)), (("B", 0, i) for i in range(4))
+    assert order == [next(f), next(f), next(f), next(b), next(f), next(b), next(b), next(b)]
+    alone = train.estimate.schedule_order(train.Layout(dp_shard=8), 0, 1, 2)
+    assert alone == [("F", 0, 0), ("B", 0, 0), ("F", 0, 1), ("B", 0, 1)]
     two = train.Layout(pp=2, dp_shard=2)
     with train.estimate.fake_world(two, 0):
         order = train.estimate.schedule_order(two, 0, 2, 128)
@@ -733,6 +738,9 @@ def test_the_estimate_runs_the_schedules_order_of_forwards_and_backwards():
         # 18 blocks on 4 stages (4, 5, 5, 4), 4 micro-batches: scaled from 3 and 4 blocks
         # per stage and 2 and 3 in flight (rank 0), or in blocks alone (rank 3)
         ("--layers 18 --tp 2 --pp 4 --dp-shard 2 --grad-accum 4 --zero 1", (0, 3)),
+        # 1F1B with more micro-batches than in flight: the steady state's peak, the
+        # first micro-batch's whole gradients held (torch's pipeline stages keep them)
+        ("--layers 8 --pp 2 --dp-shard 2 --grad-accum 4", (0, 1)),
         # interleaved, 4 chunks of 4: scaled from 2 and 3 blocks per chunk
         (
             "--layers 16 --pp 2 --dp-shard 2 --pp-schedule interleaved --virtual-stages 2"

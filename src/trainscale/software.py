@@ -67,6 +67,7 @@ FIELDS = (
     "context_parallel_style",
     "linear_dtype",
     "fused_elementwise",
+    "fused_loss",
     *OVERLAP_FIELDS,
 )
 """Every field of :class:`Software` that describes the stack (all but ``name``, ``title``
@@ -104,6 +105,13 @@ class Software:
       norms, activations and rotary embeddings run as fused kernels that keep only their
       inputs (Korthikanti et al.'s count), or as separate eager PyTorch ops, each keeping
       what its backward needs (:func:`trainscale.planner.memory.eager_layer_activation_bytes`);
+      ``fused_loss``: the cross-entropy's backward writes the logits' gradient over its
+      saved fp32 softmax (Megatron's vocabulary-parallel cross entropy, Korthikanti et
+      al.'s ``4 s b V`` bytes), or, as PyTorch's eager ``F.cross_entropy``, allocates the
+      fp32 gradients of the log-probabilities and of the logits beside the saved
+      log-probabilities: ``8 s b V / t`` bytes more at the start of the last stage's
+      backward, measured by torch's memory tracker (``python -m trainscale.train
+      --estimate-memory``, chapter 16);
     * what hides under compute: ``overlap_grad_reduce`` (the data-parallel gradient
       reduction under the backward), ``overlap_param_gather`` (ZeRO's weight all-gather
       under the forward), ``overlap_tp_comm`` (the backward's tensor-parallel
@@ -129,6 +137,7 @@ class Software:
     context_parallel_style: str = "ring"
     linear_dtype: str = "bf16"
     fused_elementwise: bool = True
+    fused_loss: bool = True
     overlap_grad_reduce: bool | None = None
     overlap_param_gather: bool | None = None
     overlap_tp_comm: bool | None = None
@@ -145,6 +154,7 @@ class Software:
             "pipeline_interleaving",
             "reduce_after_flush",
             "fused_elementwise",
+            "fused_loss",
         ):
             _checks.boolean(name, getattr(self, name))
         _checks.boolean(
@@ -265,6 +275,12 @@ _README_08 = (
     "(--overlap-grad-reduce --overlap-param-gather), tensor-parallel (--tp-comm-overlap)'"
 )
 _TITAN_2024 = "pytorch/torchtitan@9dec370 (26 Dec 2024, its H100 benchmark's commit)"
+_PIPELINED_FSDP = (
+    "torch.distributed.pipelining (torch 2.13) stage.py:844-848, backward_maybe_with_nosync:"
+    " FSDP2's gradient sync and reshard after backward off until the step's last backward"
+    " (perform_reduce_grad), so with pipelines the weights stay gathered and the gradients"
+    " whole: ZeRO-1's memory, whatever the sharding"
+)
 
 SOFTWARE: dict[str, Software] = {
     s.name: s
@@ -272,7 +288,7 @@ SOFTWARE: dict[str, Software] = {
         _preset(
             "planner-default",
             "the planner's default stack",
-            dict.fromkeys(FIELDS[:14], _ASSUMED),
+            dict.fromkeys(FIELDS[: -len(OVERLAP_FIELDS)], _ASSUMED),
             fused_attention=True,
             dropout=True,
             gradient_reduce_dtype="bf16",
@@ -420,8 +436,7 @@ SOFTWARE: dict[str, Software] = {
                 "mixed_precision_reduce = 'float32' (fsdp.py:155, MixedPrecisionPolicy)",
                 "zero_stages": f"{TORCHTITAN} torchtitan/distributed/fsdp.py: DDP or FSDP2 "
                 "(fully_shard)",
-                "pipeline_zero_stages": f"{TORCHTITAN} configs.py:145, fsdp_reshard_after_forward"
-                " 'default' (kept gathered with pipelines)",
+                "pipeline_zero_stages": _PIPELINED_FSDP,
                 "pipeline_interleaving": f"{TORCHTITAN} configs.py:216, pipeline_parallel_schedule"
                 " (Interleaved1F1B among the choices, configs.py:221)",
                 "sequence_parallel_style": f"{TORCHTITAN} torchtitan/models/llama3/"
@@ -432,6 +447,8 @@ SOFTWARE: dict[str, Software] = {
                 "rest recomputed",
                 "fused_elementwise": f"{TORCHTITAN} torchtitan/models/llama3/model.py: "
                 "RMSNorm, rotary embedding and SiLU as eager ops (compile off by default)",
+                "fused_loss": f"{TORCHTITAN} torchtitan/components/loss.py:57, "
+                "F.cross_entropy(pred.float(), ...) in eager mode (without TP)",
                 "overlap_grad_reduce": "PyTorch FSDP2 (fully_shard): gradients reduce-scattered "
                 "during the backward, layer by layer",
                 "overlap_param_gather": "PyTorch FSDP2 (fully_shard): the next layer's "
@@ -444,9 +461,11 @@ SOFTWARE: dict[str, Software] = {
             fused_attention=True,
             dropout=False,
             gradient_reduce_dtype="fp32",
+            pipeline_zero_stages=(0, 1),
             sequence_parallel_style="keep gathered",
             selective_recompute="every other matmul",
             fused_elementwise=False,
+            fused_loss=False,
             overlap_grad_reduce=True,
             overlap_param_gather=True,
             overlap_tp_comm=False,
@@ -539,7 +558,7 @@ SOFTWARE: dict[str, Software] = {
                     " --training.mixed_precision_reduce float32 (its only choice)",
                     "zero_stages": f"{_TITAN_2024} torchtitan/parallelisms/parallelize_llama.py:"
                     " FSDP2 (fully_shard), each block resharded after forward but the last",
-                    "pipeline_zero_stages": "as zero_stages",
+                    "pipeline_zero_stages": _PIPELINED_FSDP,
                     "pipeline_interleaving": f"{_TITAN_2024}: Interleaved1F1B among its schedules",
                     "sequence_parallel_style": f"{_TITAN_2024} torchtitan/parallelisms/"
                     "parallelize_llama.py:137-176, DTensor SequenceParallel and "
@@ -551,6 +570,9 @@ SOFTWARE: dict[str, Software] = {
                     "models/llama/model.py: RMSNorm, rotary embedding and SiLU as eager ops "
                     "(norm_type 'rmsnorm'); torch.compile fuses them"
                     + (" (this preset)" if suffix else " (not this preset)"),
+                    "fused_loss": f"{_TITAN_2024} train.py:130-133, F.cross_entropy("
+                    "pred.flatten(0, 1).float(), ...) in eager mode (compiling it 'causes CUDA"
+                    " errors, turning off for now')",
                     "overlap_grad_reduce": "PyTorch FSDP2 (fully_shard): gradients "
                     "reduce-scattered during the backward, layer by layer",
                     "overlap_param_gather": "PyTorch FSDP2 (fully_shard): the next layer's "
@@ -563,9 +585,11 @@ SOFTWARE: dict[str, Software] = {
                 fused_attention=True,
                 dropout=False,
                 gradient_reduce_dtype="fp32",
+                pipeline_zero_stages=(0, 1),
                 sequence_parallel_style="keep gathered",
                 selective_recompute="every other matmul",
                 fused_elementwise=bool(suffix),
+                fused_loss=False,
                 overlap_grad_reduce=True,
                 overlap_param_gather=True,
                 overlap_tp_comm=False,

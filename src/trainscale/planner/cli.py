@@ -76,12 +76,14 @@ from trainscale.planner.arguments import (
 )
 from trainscale.planner.commands import (
     LAPTOP_MODEL,
+    RUNNER_SOFTWARE,
     _laptop_lines,
     _lines,
     _shape_note,
     laptop_command,
     laptop_flags,
     laptop_shape,
+    on_the_runner,
     refusal,
     train_flags,
 )
@@ -208,9 +210,21 @@ def _runnable(
     best: Sequence[planner.Layout], request: Request
 ) -> tuple[int | None, list[str], bool]:
     """The place in ``best`` of the first layout the capstone can run, a note for each
-    faster one it cannot, and whether the capstone's checks ran (they need torch)."""
+    faster one it cannot, and whether the capstone's checks ran (they need torch).
+
+    A layout it cannot run fits no GPU on the capstone's own stack
+    (:data:`~trainscale.planner.commands.RUNNER_SOFTWARE`, eager element-wise ops and
+    loss), or is refused by its argument checks."""
     notes = []
     for place, layout in enumerate(best):
+        runner = on_the_runner(layout, request.model, request.cluster)
+        if runner.verdict != "fits":
+            notes.append(
+                f"trainscale.train cannot run layout {place + 1} as planned: on its stack"
+                f" (software {RUNNER_SOFTWARE}: eager norms, activations and loss) it needs"
+                f" {runner.memory_bytes / GIB:.1f} GiB per GPU ({runner.verdict})"
+            )
+            continue
         flags = train_flags(layout, request.model, request.cluster.peak_flops)
         try:
             reason = refusal(flags, request.cluster.gpus)
@@ -220,6 +234,21 @@ def _runnable(
             return place, notes, True
         notes.append(f"trainscale.train cannot run layout {place + 1} as planned: {reason}")
     return None, notes, True
+
+
+def _runner_best(request: Request) -> list[planner.Layout]:
+    """The fastest layouts on the capstone's own stack, where none planned for
+    ``request.software`` runs there."""
+    layouts = planner.plan(
+        *(request.model, request.cluster, request.global_batch),
+        software=RUNNER_SOFTWARE,
+        virtual_stages=request.virtual_stages,
+        context_parallel=request.context_parallel,
+        zero_stages=request.zero_stages,
+    )
+    if request.max_tp is not None:
+        layouts = [lay for lay in layouts if lay.tp <= request.max_tp]
+    return planner.top_layouts(layouts, count=request.top)
 
 
 def _published_lines(run: PublishedRun) -> list[str]:
@@ -361,8 +390,26 @@ def _report(request: Request, data: dict) -> tuple[list[str], bool]:
         lines += _published_lines(request.published)
         data["published"] = _published_lines(request.published)[:-1]
     place, notes, checked = _runnable(best, request)
+    if place is None and stack.name != RUNNER_SOFTWARE:
+        best = _runner_best(request)
+        ranges = [
+            planner.mfu_range(request.model, request.cluster, lay, software=RUNNER_SOFTWARE)
+            for lay in best
+        ]
+        notes.append(
+            f"none of these runs on trainscale.train's stack; its fastest (software"
+            f" {RUNNER_SOFTWARE}):"
+        )
+        place, more, checked = _runnable(best, request)
+        notes += more
+        data["runner_best"] = [
+            _layout_json(lay, span) for lay, span in zip(best, ranges, strict=True)
+        ]
+        table = layout_table(best, ranges)
+    else:
+        table = []
     data["notes"] = notes
-    lines += [*(f"note: {note}" for note in notes), *([""] if notes else [])]
+    lines += [*(f"note: {note}" for note in notes), *table, *([""] if notes else [])]
     if place is None:
         return [*lines, "none of these layouts runs with trainscale.train as it is"], False
     chosen = best[place]

@@ -32,6 +32,29 @@ import shlex
 
 from trainscale import _checks, planner
 
+RUNNER_SOFTWARE = "torchtitan-2024"
+"""The planner's software preset that describes :mod:`trainscale.train`: it is built as
+torchtitan is (FSDP2 with float32 gradient reduction, DTensor's sequence parallelism
+keeping the gathered input, ``scaled_dot_product_attention``, no dropout) and, like
+torchtitan without ``torch.compile``, runs its norms, rotary embeddings, SiLU and loss as
+eager ops (:mod:`trainscale.software`). A layout planned for another stack is checked on
+this one before its command is printed (``python -m trainscale.train --estimate-memory``
+measures the same with torch's memory tracker)."""
+
+
+def on_the_runner(layout: planner.Layout, model: planner.Model, cluster: planner.Cluster):
+    """``layout`` evaluated again on :data:`RUNNER_SOFTWARE`, its settings unchanged."""
+    return planner.evaluate(
+        *(model, cluster, layout.global_batch, layout.tp, layout.pp, layout.dp),
+        zero_stage=layout.zero_stage,
+        recompute=layout.recompute,
+        micro_batch=layout.micro_batch,
+        virtual_stages=layout.virtual_stages,
+        context_parallel=layout.cp,
+        expert_parallel=layout.ep,
+        software=RUNNER_SOFTWARE,
+    )
+
 
 def _data_parallel_flags(zero_stage: int, dp: int) -> list[str]:
     """ZeRO-0 replicates (DDP); any ZeRO stage shards with FSDP2 at that stage."""

@@ -140,7 +140,9 @@ def _activations(
     per_layer = kept_per_layer(model, s, b, t, sp, mode, software)
     t_sp = t if sp else 1
     embedding = s * b * h / t_sp if model.layer_shape["dropout"] else 0.0  # 1-byte dropout mask
-    output = 4 * s * b * h / t_sp + 4 * s * b * vocab / t  # final norm, output input, fp32 logits
+    # final norm, output input, fp32 logits; an eager loss's two fp32 gradients at its backward
+    logits = (1 if software.fused_loss else 3) * 4 * s * b * vocab / t
+    output = 4 * s * b * h / t_sp + logits
     per_chunk, per_stage, _, _ = _stage(model, p, v)
     if p == 1:
         return per_stage * per_layer + embedding + output
@@ -284,7 +286,9 @@ def activation_bytes_per_gpu(
     one; the interleaved schedule keeps ``(v+1) p - 1`` model chunks in flight on the
     first stage. Added outside the layers (section 4.3): the embedding's 1-byte
     dropout mask on the first stage, and on the last the final layer norm's input,
-    the output layer's input and the fp32 logits the loss needs (``4 s b vocab / t``).
+    the output layer's input and the fp32 logits the loss needs (``4 s b vocab / t``;
+    three times that with a stack whose loss is not fused, ``Software.fused_loss``: the
+    fp32 gradients of the log-probabilities and of the logits as the backward starts).
     Without pipelining all of it lands on one stage, once. Context parallelism
     (``context_parallel`` ranks) keeps ``seq_len / context_parallel`` tokens of every
     sequence on each GPU, so every term shrinks by that factor (with a fused attention

@@ -40,10 +40,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from trainscale import memory
+from trainscale.context import token_positions
 from trainscale.train.config import TrainConfig, model_config
 from trainscale.train.parallelize import (
     _loss,
-    apply_context_parallel,
     apply_fsdp,
     apply_recomputation,
     apply_tensor_parallel,
@@ -110,18 +110,19 @@ class _Tracker:
 def schedule_order(layout: Layout, pp_rank: int, virtual_stages: int, micro_batches: int):
     """The forwards (``"F"``) and backwards (``"B"``) pipeline rank ``pp_rank`` runs in
     one step, as ``(kind, chunk, micro_batch)``, ``chunk`` indexing the rank's chunks
-    (:func:`~trainscale.train.stages.stage_ids`). Without a pipeline: one forward, one
-    backward. 1F1B: ``min(micro_batches, pp - pp_rank)`` forwards before the first
-    backward (torch's ``Schedule1F1B._step_microbatches``, its warm-up), then the
-    backwards; as many in flight as it ever holds. Interleaved: the order torch's
+    (:func:`~trainscale.train.stages.stage_ids`). Without a pipeline: a forward and a
+    backward per micro-batch. 1F1B: ``min(micro_batches, pp - pp_rank)`` forwards before
+    the first backward (torch's ``Schedule1F1B._step_microbatches``, its warm-up), then a
+    backward and a forward in turn, then the last backwards. Interleaved: the order torch's
     ``ScheduleInterleaved1F1B`` computes (its ``pipeline_order``; built on the fake
     world) for ``min(micro_batches, 2 pp)`` micro-batches, enough for its warm-up's
     ``(v - 1) pp + 2 (pp - 1 - rank) + 1`` forwards in flight."""
-    if layout.pp == 1:
-        return [("F", 0, 0), ("B", 0, 0)]
-    if virtual_stages == 1:
-        n = min(micro_batches, layout.pp - pp_rank)
-        return [("F", 0, i) for i in range(n)] + [("B", 0, i) for i in range(n)]
+    if layout.pp == 1 or virtual_stages == 1:
+        n = 1 if layout.pp == 1 else min(micro_batches, layout.pp - pp_rank)
+        order = [("F", 0, i) for i in range(n)]
+        for i in range(micro_batches - n):  # the steady state: a backward, a forward
+            order += [("B", 0, i), ("F", 0, n + i)]
+        return order + [("B", 0, i) for i in range(micro_batches - n, micro_batches)]
     from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
 
     ids = stage_ids(pp_rank, layout.pp, virtual_stages)
@@ -173,6 +174,23 @@ def fake_world(layout: Layout, pp_rank: int) -> Iterator[DeviceMesh]:
         _redistribute.clear_redistribute_planner_cache()
 
 
+def _context_parallel_as_on_gpus(part: torch.nn.Module, mesh: DeviceMesh, seq_len: int) -> None:
+    """This rank's zig-zag share of each sequence (chapter 14), its positions given to the
+    rotary embedding, and attention left to the fused kernel on the local tokens: what
+    torch's ``context_parallel`` keeps on a GPU, where each step of its ring runs the
+    flash kernel on the local queries and one rank's keys and values, and backward needs
+    the local ``q``, ``k``, ``v``, output and log-sum-exp. The ring's two in-flight
+    key-value blocks (GQA's few heads: a few MiB a layer) are left out. The book's CPU
+    ring cannot run here: it picks the visible rows of each block with ``nonzero``,
+    whose output shape depends on values, which fake tensors do not have
+    (``DynamicOutputShapeException``)."""
+    cp, rank = mesh["cp"].size(), mesh.get_local_rank("cp")
+    positions = torch.tensor(token_positions(seq_len, cp, rank, "zigzag"))
+    part.positions = positions
+    for block in part.blocks.values():
+        block.attention.positions = positions
+
+
 def track_step(
     config: TrainConfig,
     layout: Layout,
@@ -204,7 +222,7 @@ def track_step(
         if layout.tp > 1:
             apply_tensor_parallel(part, mesh["tp"])
         if layout.cp > 1:
-            apply_context_parallel(part, mesh, config.seq_len)
+            _context_parallel_as_on_gpus(part, mesh, config.seq_len)
         apply_recomputation(part, config.recompute)
         apply_fsdp(part, dp_mesh, reshard_after_forward(config, layout), policy)
     with FakeTensorMode(allow_non_fake_inputs=True):
@@ -241,19 +259,23 @@ def track_step(
                     out.backward(None if out.dim() == 0 else torch.randn_like(out))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        if not tracked:
-            return None
-        adam = sum(
-            (v.to_local() if isinstance(v, DTensor) else v).numel() * v.element_size()
-            for state in optimizer.state.values()
-            for v in state.values()
-            if isinstance(v, torch.Tensor) and v.dim() > 0
-        )
-        flight = most = 0
-        for kind, _, _ in order:
-            flight += 1 if kind == "F" else -1
-            most = max(most, flight)
-        return Tracked(dict(tracker.highest), tracker.peak(), adam, most)
+        return _tracked(tracker, optimizer, order) if tracked else None
+
+
+def _tracked(tracker: _Tracker, optimizer: torch.optim.Optimizer, order: list) -> Tracked:
+    """What :func:`track_step` returns: the tracker's highest and peak, Adam's moments'
+    bytes on this rank and the most micro-batches ``order`` holds in flight."""
+    adam = sum(
+        (v.to_local() if isinstance(v, DTensor) else v).numel() * v.element_size()
+        for state in optimizer.state.values()
+        for v in state.values()
+        if isinstance(v, torch.Tensor) and v.dim() > 0
+    )
+    flight = most = 0
+    for kind, _, _ in order:
+        flight += 1 if kind == "F" else -1
+        most = max(most, flight)
+    return Tracked(dict(tracker.highest), tracker.peak(), adam, most)
 
 
 def extrapolate(values: dict[tuple[int, int], dict[str, int]], k: int, n: int) -> dict[str, int]:
@@ -318,7 +340,11 @@ def measure_rank(config: TrainConfig, layout: Layout, pp_rank: int, all_layers: 
         track_step(warm, layout, mesh, layout.pp if interleaved else 1, tracked=False)
         for k, n in points:
             smaller = dataclasses.replace(config, layers=k * chunks - short)
-            micro = config.grad_accum if interleaved else n  # 1F1B: n in flight
+            # 1F1B: n in flight, and one micro-batch more where the step has one, so
+            # that the peak comes with the first micro-batch's gradients held, as in
+            # every later one of an accumulating step
+            extra = 1 if config.grad_accum > in_flight else 0
+            micro = config.grad_accum if interleaved else n + extra
             found[k, n] = track_step(smaller, layout, mesh, micro)
     flights = max(f.in_flight for f in found.values()) if interleaved else in_flight
     each = {
@@ -383,8 +409,9 @@ def estimate_memory(config: TrainConfig, all_layers: bool = False) -> dict[str, 
 def planned_memory(config: TrainConfig, layout: Layout) -> dict[str, float] | None:
     """The planner's memory parts (:data:`trainscale.planner.MEMORY_PARTS`, bytes on one
     GPU of the fullest stage) for this layout of this model (its parameters counted from
-    the runner's shape) on H100 nodes of 8 GPUs, or ``None`` where it cannot evaluate the
-    layout (HSDP, which it does not model)."""
+    the runner's shape) on H100 nodes of 8 GPUs, on the stack of the measured step
+    (:func:`measured_stack`), or ``None`` where it cannot evaluate the layout (HSDP,
+    which it does not model)."""
     from trainscale import planner
     from trainscale.transformer import parameter_counts
 
@@ -418,8 +445,35 @@ def planned_memory(config: TrainConfig, layout: Layout) -> dict[str, float] | No
         micro_batch=config.micro_batch,
         virtual_stages=config.virtual_stages,
         context_parallel=layout.cp,
+        software=measured_stack(layout),
     )
+    if planned.verdict == "invalid":
+        return None
     return dict(planned.memory_parts)
+
+
+def measured_stack(layout: Layout):
+    """The planner's description of the step this module measures: the runner's stack
+    (:data:`~trainscale.planner.commands.RUNNER_SOFTWARE`), with every ZeRO stage under
+    pipelines, since the measured step reduces each micro-batch's gradients at its
+    backward as FSDP2 does without pipelines. The runner's pipeline stages do not
+    (:data:`PIPELINED_NOTE`)."""
+    from trainscale.planner.commands import RUNNER_SOFTWARE
+    from trainscale.software import software
+
+    stack = software(RUNNER_SOFTWARE)
+    return stack if layout.pp == 1 else stack.replace(pipeline_zero_stages=stack.zero_stages)
+
+
+PIPELINED_NOTE = (
+    "with pipelines the runner's torch stages keep FSDP2's weights gathered and its fp32"
+    " gradients whole until the step's last backward (ZeRO-1's memory; PipelineStage."
+    "backward_maybe_with_nosync): this step, and the planner beside it, reduce each"
+    " micro-batch's gradients at its backward instead, as the ZeRO stage asked for does"
+)
+"""What ``--estimate-memory`` says of a pipelined layout: the step it measures is not the
+runner's (torch's pipeline stages turn gradient sync off; ``FSDPMemTracker`` counts the
+gradients FSDP2 accumulates then as temporaries, so they are not reproduced here)."""
 
 
 def report(config: TrainConfig, all_layers: bool = False) -> list[str]:
@@ -450,5 +504,7 @@ def report(config: TrainConfig, all_layers: bool = False) -> list[str]:
         f"  the gradients' own highest, at the end of backward: {found['gradients'] / gib:.2f}"
     )
     if found["planner"] is None:
-        lines.append("the planner does not model this layout (HSDP)")
+        lines.append("the planner does not model this layout (HSDP, or a ZeRO stage refused)")
+    if found["layout"].pp > 1:
+        lines.append(f"note: {PIPELINED_NOTE}")
     return lines
