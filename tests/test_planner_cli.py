@@ -205,7 +205,14 @@ def test_the_printed_commands_parse_with_the_capstones_own_checks(example):
     assert (config.micro_batch, config.grad_accum) == (best.micro_batch, best.accumulation)
     assert (config.layers, config.width, config.heads) == (80, 8192, 64)
     tiny = train.parse_args(laptop)
-    assert tiny.layout(8).sizes == (2, 1, 2, 1, 2)  # TP 2 x PP 2 x DP 2 (sharded)
+    kept = planner_cli.laptop_degrees(best, 8)  # every kind the plan uses, scaled down
+    assert tiny.layout(8).sizes == (kept["pp"], 1, kept["dp"], kept["cp"], kept["tp"])
+    used = [k for k in ("tp", "cp", "pp", "dp") if getattr(best, k) > 1]
+    dropped = [k.upper() for k in used if kept[k] == 1]
+    assert len(used) - len(dropped) == min(len(used), 3)  # 8 = 2 x 2 x 2: three kept at most
+    assert not dropped or f"the plan's kinds of parallelism but {', '.join(dropped)}" in (
+        example.text
+    )
     assert planner_cli.refusal(laptop, 8) is None
     assert "multiply to the number of ranks, 4" in planner_cli.refusal(laptop, 4)
 
@@ -557,3 +564,55 @@ def test_list_models_as_json_names_every_preset_gpu_and_stack():
     assert data["models"]["70b"]["model"]["layers"] == planner.EXAMPLE_MODEL.layers
     assert data["default_gpu"] in data["gpus"]
     assert "meta-llama3" in data["software"]
+
+
+@pytest.mark.parametrize(
+    ("planned", "ranks", "laptop", "dropped"),
+    [
+        ((4, 2, 8, 1), 8, (2, 2, 2, 1), []),  # TP, CP and PP each get a factor
+        ((4, 2, 8, 1), 4, (2, 2, 1, 1), ["PP"]),  # no factor left for PP: said
+        ((1, 8, 8, 1), 8, (1, 4, 2, 1), []),  # the third factor to the one furthest below
+    ],
+)
+def test_the_laptop_keeps_context_parallelism_or_says_what_it_drops(
+    planned, ranks, laptop, dropped
+):
+    tp, cp, pp, dp = planned
+    layout = SimpleNamespace(tp=tp, cp=cp, pp=pp, dp=dp, ep=1, virtual_stages=1)
+    layout.zero_stage, layout.recompute = 1, "none"
+    degrees = planner_cli.laptop_degrees(layout, ranks)
+    assert tuple(degrees.values()) == laptop
+    assert planner_cli.laptop_drops(layout, ranks) == dropped
+    flags = planner_cli.laptop_flags(layout, ranks)
+    config = train.parse_args(flags)
+    assert config.layout(ranks).cp == laptop[1]
+    assert config.seq_len % (2 * laptop[1]) == 0
+    lines = "\n".join(planner_cli._laptop_lines(layout, ranks))
+    assert ("but " + ", ".join(dropped)) in lines if dropped else "the same kinds" in lines
+
+
+TINY_PLAN = [
+    *("--layers", "4", "--hidden", "256", "--heads", "4", "--kv-heads", "2", "--ffn", "512"),
+    *("--gated-mlp", "--seq-len", "128", "--vocab", "1024", "--nodes", "1"),
+    *("--global-batch", "16", "--top", "1"),
+]
+"""A Llama-shaped model small enough for a fake-world step in a second or two."""
+
+
+def test_check_memory_runs_the_printed_command_under_torchs_tracker(capsys):
+    assert planner_cli.main([*TINY_PLAN, "--check-memory"]) == 0
+    out = capsys.readouterr().out
+    assert "the command's step under torch's tracker: TP" in out
+    assert "the tracker's total fits the GPU's 79.6 GiB" in out
+
+
+def test_check_memory_refuses_a_command_its_gpu_cannot_hold():
+    request = planner_cli.parse([*TINY_PLAN, "--check-memory"])
+    (layout,) = planner.top_layouts(
+        planner.plan(request.model, request.cluster, request.global_batch), 1
+    )
+    small = dataclasses.replace(request.cluster, memory_bytes=2**20)  # a 1 MiB GPU
+    lines, holds = planner_cli._tracked_lines(layout, dataclasses.replace(request, cluster=small))
+    assert not holds
+    assert lines[-2] == "  the tracker's total does not fit the GPU's 0.0 GiB"
+    assert lines[-1] == "refused: the command would run out of memory"

@@ -975,3 +975,46 @@ def test_a_checkpoint_reshards_onto_an_interleaved_pipeline(tmp_path, one_proces
 def test_every_rank_refuses_a_bad_layout_before_any_collective():
     with pytest.raises(RankError, match=r"ValueError: the layout's sizes must multiply to"):
         run_ranks(train.worker, 4, ["--tp", "2", "--pp", "1", "--dp-shard", "3"], timeout=60)
+
+
+def test_the_full_size_cases_are_the_commands_the_book_hands_out():
+    # Chapter 16's three layouts: the planner's printed commands (without the log's peak)
+    # and Meta's 405B layout with sixteen micro-batches of one sequence (16 = 8 x 2).
+    from trainscale.train import full_size
+
+    flags = {name: make() for name, make in full_size.CASES.items()}
+    eight, seventy, meta = flags.values()
+    assert "--peak-flops" not in eight and eight[eight.index("--layers") + 1] == "32"
+    assert seventy[seventy.index("--layers") + 1] == "80"
+    for name in ("--tp", "--pp", "--dp-shard"):
+        assert meta[meta.index(name) + 1] == {"--tp": "8", "--pp": "16", "--dp-shard": "128"}[name]
+    assert meta[meta.index("--micro-batch") + 1 : meta.index("--micro-batch") + 4] == [
+        "1",
+        "--grad-accum",
+        "16",
+    ]
+    for each in flags.values():
+        train.parse_args(each).layout(train.ranks_needed(train.parse_args(each)))
+
+
+def test_the_full_size_table_compares_part_by_part():
+    from trainscale.train import full_size
+
+    gib = 2**30
+    found = {
+        "layout": train.Layout(pp=2, dp_shard=4),
+        "pp_rank": 0,
+        "parts": {"weights": 2 * gib, "activations": 11 * gib, "buffers": 0},
+        "peak": {"Total": 13 * gib},
+        "planner": {"weights": 2 * gib, "activations": 10 * gib},
+    }
+    lines = full_size.table("a case", found)
+    assert (
+        lines[0]
+        == "a case: TP 1 x PP 2 x DP 4 (replicate 1 x shard 4), pipeline rank 0 the fullest"
+    )
+    assert lines[2].split() == ["weights", "2.00", "2.00", "+0%"]
+    assert lines[3].split() == ["activations", "11.00", "10.00", "+10%"]
+    assert lines[4].split() == ["buffers", "0.00", "-", "-"]
+    assert lines[5].split() == ["total", "13.00", "12.00", "+8%"]
+    assert lines[6] == "  the tracker's total fits an H100's 79.6 GiB"

@@ -11,8 +11,9 @@ for a 2-core machine: each notebook <= 45 s (warned from 40 s) and their median
 
     python tools/bench.py                    # everything
     python tools/bench.py phases planner     # some parts: phases, notebooks, check,
-                                             # planner, page (the built site's planner
-                                             # page in Chromium: make site first)
+                                             # planner, estimates (chapter 16's
+                                             # full-size memory), page (the built site's
+                                             # planner page in Chromium: make site first)
 """
 
 from __future__ import annotations
@@ -51,6 +52,10 @@ def notebooks() -> list[tuple[str, float]]:
     rows = []
     for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
         notebook = nbformat.read(path, as_version=4)
+        # cells nbval skips are timed elsewhere (chapter 16's full-size estimates)
+        notebook.cells = [
+            c for c in notebook.cells if "nbval-skip" not in c.get("metadata", {}).get("tags", [])
+        ]
         resources = {"metadata": {"path": path.parent}}
         client = NotebookClient(notebook, timeout=600, resources=resources)
         started = time.perf_counter()
@@ -227,8 +232,25 @@ def page() -> list[tuple[str, float]]:
     ]
 
 
+def estimates() -> list[tuple[str, float]]:
+    """Chapter 16's three full-size memory checks (its cell tagged ``nbval-skip``): each
+    layout's step on a fake world, torch's tracker beside the planner (printed too)."""
+    sys.path.insert(0, str(ROOT / "src"))
+    from trainscale import train
+    from trainscale.train import full_size
+
+    rows = []
+    for name, flags in full_size.CASES.items():
+        started = time.perf_counter()
+        found = train.estimate.estimate_memory(train.parse_args(flags()))
+        rows.append((f"estimate: {name}", time.perf_counter() - started))
+        print("\n".join(full_size.table(name, found)))
+    return rows
+
+
 PARTS: dict[str, Callable[[], list[tuple[str, float]]]] = {
     "planner": planner,
+    "estimates": estimates,
     "page": page,
     "check": check,
     "notebooks": notebooks,

@@ -236,6 +236,13 @@ def parser() -> argparse.ArgumentParser:
         metavar="N",
         help="also print the best layout scaled down to a tiny model on N CPU processes",
     )
+    add(
+        "--check-memory",
+        action="store_true",
+        help="run the printed command's step on a fake world of its full size under torch's"
+        " memory tracker (python -m trainscale.train --estimate-memory; seconds to minutes)"
+        " and refuse the command if its fullest GPU does not hold it",
+    )
     add("--list-models", action="store_true", help="list the presets and stop")
     add(
         "--json",
@@ -269,6 +276,8 @@ class Request:
     """``--max-tp``: layouts with more tensor-parallel GPUs are not tried (``None``: any)."""
     zero_stages: tuple[int, ...] | None = None
     """``--zero-stages``: the ZeRO stages tried (``None``: every stage the software offers)."""
+    check_memory: bool = False
+    """``--check-memory``: the printed command's step measured under torch's tracker."""
 
 
 SOFTWARE_FLAGS = ("fused_attention", "dropout", "gradient_reduce_dtype", "linear_dtype")
@@ -474,5 +483,5 @@ def parse(argv: Sequence[str] | None = None) -> Request | None:
     cps = _degrees("--context-parallel", args.context_parallel)
     return Request(
         *(model, cluster, gpu, batch, top, laptop, run, stack, depths, args.explain, cps),
-        *(max_tp, zero_stages),
+        *(max_tp, zero_stages, bool(args.check_memory)),
     )

@@ -81,6 +81,8 @@ from trainscale.planner.commands import (
     _lines,
     _shape_note,
     laptop_command,
+    laptop_degrees,
+    laptop_drops,
     laptop_flags,
     laptop_shape,
     on_the_runner,
@@ -105,6 +107,8 @@ __all__ = [  # the command line's names, and those it re-exports from arguments 
     "cluster_command",
     "describe",
     "laptop_command",
+    "laptop_degrees",
+    "laptop_drops",
     "laptop_flags",
     "laptop_shape",
     "layout_table",
@@ -234,6 +238,24 @@ def _runnable(
             return place, notes, True
         notes.append(f"trainscale.train cannot run layout {place + 1} as planned: {reason}")
     return None, notes, True
+
+
+def _tracked_lines(layout: planner.Layout, request: Request) -> tuple[list[str], bool]:
+    """``--check-memory``: the command's step for ``layout`` under torch's memory tracker
+    on a fake world of its full size (:func:`trainscale.train.estimate.estimate_memory`),
+    beside the planner, and whether the fullest GPU holds it."""
+    try:
+        from trainscale import train
+        from trainscale.train import full_size
+    except ImportError:  # no torch (the web page)
+        return ["--check-memory needs torch, which is not installed here"], True
+    flags = train_flags(layout, request.model, request.cluster.peak_flops)
+    found = train.estimate.estimate_memory(train.parse_args(flags))
+    gpu = request.cluster.memory_bytes
+    lines = full_size.table("the command's step under torch's tracker", found, gpu)
+    if found["peak"].get("Total", 0) <= gpu:
+        return lines, True
+    return [*lines, "refused: the command would run out of memory"], False
 
 
 def _runner_best(request: Request) -> list[planner.Layout]:
@@ -416,6 +438,12 @@ def _report(request: Request, data: dict) -> tuple[list[str], bool]:
     where = "on each node run" if request.cluster.nodes > 1 else "run"
     lines += [f"to train layout {place + 1}, {chosen.name.replace(chr(215), 'x')}, {where}", ""]
     lines += [cluster_command(chosen, request), "", *_shape_note(request.model)]
+    if request.check_memory:
+        tracked, holds = _tracked_lines(chosen, request)
+        lines += [*tracked, ""]
+        data["tracked"] = tracked
+        if not holds:
+            return lines, False
     data["command"] = {
         "layout": place + 1,
         "where": where,

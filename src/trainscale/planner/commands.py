@@ -110,28 +110,52 @@ def train_flags(layout: planner.Layout, model: planner.Model, peak_flops: float)
 
 
 def laptop_shape(layout: planner.Layout, ranks: int) -> tuple[int, int, int]:
-    """``(TP, PP, DP)`` on ``ranks`` CPU processes, keeping the layout's kinds of parallelism.
+    """``(TP, PP, DP)`` on ``ranks`` CPU processes, keeping the layout's kinds of
+    parallelism (:func:`laptop_degrees`, which also gives CP)."""
+    degrees = laptop_degrees(layout, ranks)
+    return degrees["tp"], degrees["pp"], degrees["dp"]
+
+
+def laptop_degrees(layout: planner.Layout, ranks: int) -> dict[str, int]:
+    """TP, CP, PP and DP on ``ranks`` CPU processes, keeping the layout's kinds of
+    parallelism.
 
     The prime factors of ``ranks``, largest first, go first to each of the
-    layout's dimensions above 1 (TP, then PP, then DP), as long as it does not
-    grow beyond the layout's own size, then to the dimension furthest below its
+    layout's dimensions above 1 (TP, then CP, then PP, then DP), as long as it does
+    not grow beyond the layout's own size, then to the dimension furthest below its
     size; what is left goes to DP. ``TP 8 x PP 4 x DP 2`` on 8 ranks becomes
-    ``TP 2 x PP 2 x DP 2``; on 4 ranks, ``TP 2 x PP 2 x DP 1``.
+    ``TP 2 x PP 2 x DP 2``; on 4 ranks, ``TP 2 x PP 2 x DP 1``; ``TP 4 x CP 2 x PP 8``
+    on 8 ranks, ``TP 2 x CP 2 x PP 2``. A kind the ranks have no factor left for is
+    dropped (:func:`laptop_drops`).
     """
     n = _checks.count("ranks", ranks, minimum=1)
-    target = [layout.tp, layout.pp, layout.dp]
-    shape = [1, 1, 1]
+    names = ("tp", "cp", "pp", "dp")
+    target = [getattr(layout, name, 1) for name in names]
+    shape = [1, 1, 1, 1]
     for factor in _prime_factors(n):
-        room = [i for i in range(3) if shape[i] * factor <= target[i]]
+        room = [i for i in range(4) if shape[i] * factor <= target[i]]
         fresh = [i for i in room if shape[i] == 1]
         if fresh:
             pick = fresh[0]
         elif room:
             pick = max(room, key=lambda i: target[i] / shape[i])
         else:
-            pick = 2
+            pick = 3
         shape[pick] *= factor
-    return shape[0], shape[1], shape[2]
+    return dict(zip(names, shape, strict=True))
+
+
+def laptop_drops(layout: planner.Layout, ranks: int) -> list[str]:
+    """The kinds of parallelism ``layout`` uses that :func:`laptop_degrees` has no
+    process left for on ``ranks`` (``"CP"``...), and expert parallelism, which the
+    capstone's dense decoder does not have."""
+    degrees = laptop_degrees(layout, ranks)
+    dropped = [
+        name.upper()
+        for name in ("tp", "cp", "pp", "dp")
+        if getattr(layout, name, 1) > 1 and degrees[name] == 1
+    ]
+    return dropped + (["EP"] if getattr(layout, "ep", 1) > 1 else [])
 
 
 def _prime_factors(n: int) -> list[int]:
@@ -159,9 +183,12 @@ def laptop_flags(layout: planner.Layout, ranks: int, peak_flops: float | None = 
     processes (:func:`laptop_shape`): a tiny model of the same kind, fp32, few steps;
     with ``peak_flops`` (one process's peak FLOP/s, e.g. measured as in chapter 12) the
     training log reports MFU."""
-    tp, pp, dp = laptop_shape(layout, ranks)
+    degrees = laptop_degrees(layout, ranks)
+    tp, cp, pp, dp = (degrees[name] for name in ("tp", "cp", "pp", "dp"))
     virtual = layout.virtual_stages if pp > 1 else 1
     heads = tp * math.ceil(4 / tp)
+    # sequences split into 2 CP chunks per rank (zig-zag) and over TP (sequence parallel)
+    step = math.lcm(tp, 2 * cp) if cp > 1 else tp
     layers = max(2, pp * virtual)
     tiny = LAPTOP_MODEL
     if peak_flops is None:
@@ -171,11 +198,12 @@ def laptop_flags(layout: planner.Layout, ranks: int, peak_flops: float | None = 
     return [
         *("--tp", str(tp), "--pp", str(pp)),
         *_data_parallel_flags(layout.zero_stage, dp),
+        *(["--cp", str(cp)] if cp > 1 else []),
         *_schedule_flags(pp, virtual),
         *("--micro-batch", str(tiny["micro_batch"]), "--grad-accum", str(2 * pp)),
         *_recompute_flags(layout.recompute),
         *("--layers", str(layers), "--width", str(tiny["head_dim"] * heads)),
-        *("--heads", str(heads), "--seq-len", str(tp * math.ceil(tiny["seq_len"] / tp))),
+        *("--heads", str(heads), "--seq-len", str(step * math.ceil(tiny["seq_len"] / step))),
         *("--vocab", str(tiny["vocab"])),
         *("--steps", str(tiny["steps"]), "--warmup", "2", "--log-every", "1"),
         *mfu,
@@ -241,10 +269,16 @@ def _shape_note(model: planner.Model) -> list[str]:
 
 
 def _laptop_lines(layout: planner.Layout, ranks: int) -> list[str]:
-    tp, pp, dp = laptop_shape(layout, ranks)
+    degrees = laptop_degrees(layout, ranks)
+    cp = f" x CP {degrees['cp']}" if degrees["cp"] > 1 else ""
+    shape = f"TP {degrees['tp']}{cp} x PP {degrees['pp']} x DP {degrees['dp']}"
+    dropped = laptop_drops(layout, ranks)
+    if dropped:
+        kinds = f"the plan's kinds of parallelism but {', '.join(dropped)}"
+    else:
+        kinds = "the same kinds of parallelism"
     return [
-        f"the same kinds of parallelism on this computer: TP {tp} x PP {pp} x DP {dp},"
-        f" a tiny model on {ranks} CPU processes",
+        f"{kinds} on this computer: {shape}, a tiny model on {ranks} CPU processes",
         "(python -m trainscale.launch keeps every listener on 127.0.0.1, where plain"
         " torchrun would listen on every interface)",
         "",

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -384,10 +385,12 @@ def estimate_memory(config: TrainConfig, all_layers: bool = False) -> dict[str, 
         world *= getattr(config, name) or 1
     config = config.for_world(world)
     layout = config.layout(world)
-    found = {
-        r: measure_rank(config, layout, r, all_layers)
-        for r in candidate_ranks(layout, config.virtual_stages, config.layers)
-    }
+    with warnings.catch_warnings():  # torch's notes on APIs it will change, not on the run
+        warnings.simplefilter("ignore", UserWarning)
+        found = {
+            r: measure_rank(config, layout, r, all_layers)
+            for r in candidate_ranks(layout, config.virtual_stages, config.layers)
+        }
     pp_rank = max(found, key=lambda r: found[r]["peak"].get("Total", 0))
     best = found[pp_rank]
     peak = best["peak"]
@@ -468,8 +471,9 @@ def measured_stack(layout: Layout):
 PIPELINED_NOTE = (
     "with pipelines the runner's torch stages keep FSDP2's weights gathered and its fp32"
     " gradients whole until the step's last backward (ZeRO-1's memory; PipelineStage."
-    "backward_maybe_with_nosync): this step, and the planner beside it, reduce each"
-    " micro-batch's gradients at its backward instead, as the ZeRO stage asked for does"
+    "backward_maybe_with_nosync); this step reduces each micro-batch's gradients and"
+    " reshards its weights after its backward instead, so its weights and gradients are"
+    " below the runner's"
 )
 """What ``--estimate-memory`` says of a pipelined layout: the step it measures is not the
 runner's (torch's pipeline stages turn gradient sync off; ``FSDPMemTracker`` counts the

@@ -253,13 +253,16 @@ def train(config: TrainConfig, rank: int, world_size: int, device: torch.device)
         "total_steps": config.steps,
     }
     state = TrainState(built.parts, built.optimizers, progress)
-    params = matmul_weights(model_shape)  # the N of 6N FLOPs per token
     every_param = sum(parameter_counts(model_shape).values())
+    # The logged MFU counts 6N FLOPs a token with the planner's N (chapter 13,
+    # planner.Model.active_params of a dense model): every parameter, embeddings too.
+    params = every_param
     ranks = f"{world_size} rank{'s' * (world_size != 1)} ({dist.get_backend()}, {device.type})"
     pipelined = f", {config.pp_schedule} schedule" if layout.pp > 1 else ""
     _say(
         rank,
-        f"model: {every_param:,} parameters ({params:,} in matrix products); "
+        f"model: {every_param:,} parameters ({matmul_weights(model_shape):,} in matrix"
+        " products); "
         f"{ranks}, {layout.describe()}{pipelined}; global batch {batch_rows} sequences "
         f"x {config.seq_len} tokens = {tokens_per_step(config, layout):,} tokens",
     )
