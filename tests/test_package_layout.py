@@ -74,6 +74,7 @@ TRAIN_ORDER: tuple[str, ...] = (
     "train.checkpoints",
     "train.loop",
     "train.estimate",
+    "train.full_size",
     "train.cli",
     "train.__init__",
     "train.__main__",
