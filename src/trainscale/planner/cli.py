@@ -91,7 +91,7 @@ from trainscale.planner.commands import (
 )
 from trainscale.planner.explain import explain, explain_spec
 from trainscale.published import GPUS, PublishedRun
-from trainscale.software import SOFTWARE
+from trainscale.software import SOFTWARE, Software
 
 __all__ = [  # the command line's names, and those it re-exports from arguments and commands
     "DEFAULT_GPU",
@@ -258,19 +258,25 @@ def _tracked_lines(layout: planner.Layout, request: Request) -> tuple[list[str],
     return [*lines, "refused: the command would run out of memory"], False
 
 
-def _runner_best(request: Request) -> list[planner.Layout]:
-    """The fastest layouts on the capstone's own stack, where none planned for
-    ``request.software`` runs there."""
+def _search(request: Request, software: Software | str) -> list[planner.Layout]:
+    """Every layout :func:`trainscale.planner.plan` tries for ``request`` on ``software``,
+    less those over ``--max-tp``."""
     layouts = planner.plan(
         *(request.model, request.cluster, request.global_batch),
-        software=RUNNER_SOFTWARE,
+        software=software,
         virtual_stages=request.virtual_stages,
         context_parallel=request.context_parallel,
         zero_stages=request.zero_stages,
     )
     if request.max_tp is not None:
         layouts = [lay for lay in layouts if lay.tp <= request.max_tp]
-    return planner.top_layouts(layouts, count=request.top)
+    return layouts
+
+
+def _runner_best(request: Request) -> list[planner.Layout]:
+    """The fastest layouts on the capstone's own stack, where none planned for
+    ``request.software`` runs there."""
+    return planner.top_layouts(_search(request, RUNNER_SOFTWARE), count=request.top)
 
 
 def _published_lines(run: PublishedRun) -> list[str]:
@@ -374,15 +380,7 @@ def _report(request: Request, data: dict) -> tuple[list[str], bool]:
         return [*describe(request), "", crowded], False
     spec = None if request.explain is None else explain_spec(request.explain, request.cluster.gpus)
     stack = request.software
-    layouts = planner.plan(
-        *(request.model, request.cluster, request.global_batch),
-        software=stack,
-        virtual_stages=request.virtual_stages,
-        context_parallel=request.context_parallel,
-        zero_stages=request.zero_stages,
-    )
-    if request.max_tp is not None:
-        layouts = [lay for lay in layouts if lay.tp <= request.max_tp]
+    layouts = _search(request, stack)
     best = planner.top_layouts(layouts, count=request.top)
     counts = planner.verdict_counts(layouts)
     rejected = _rejected(layouts)
