@@ -73,7 +73,7 @@ lab: $(STAMP)
 	$(BIN)/jupyter lab --ip=$(HOST) --notebook-dir=notebooks
 
 ## make test: everything that checks the book
-# The site build sends nothing through loopback, so chapter 04's byte count can run
+# The site build sends nothing through loopback, so chapter 6's byte count can run
 # beside it; everything else runs one phase at a time (tools/bench.py times each).
 test: lint release-lint unit nbval
 	$(MAKE) --no-print-directory -j 2 --output-sync=target site-check nbval-alone
@@ -99,11 +99,11 @@ unit: $(STAMP)
 # (see CONTRIBUTING.md, "Outputs that hold on every CPU").
 KERNELS_ELSEWHERE := ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2 ONEDNN_MAX_CPU_ISA=SSE41
 NBVAL := --nbval --nbval-current-env --nbval-sanitize-with tests/sanitize.cfg
-# Chapter 04 counts the bytes that cross the loopback interface during its all-reduces,
+# Chapter 6 counts the bytes that cross the loopback interface during its all-reduces,
 # so it runs alone: another notebook's gloo ranks would add their traffic to the count.
 # The others run two at a time, longest first (by the run time each notebook stores),
 # so that no long one starts last while the other worker has nothing left to do.
-ALONE := notebooks/04_collectives.ipynb
+ALONE := notebooks/06_collectives.ipynb
 notebooks: nbval nbval-alone
 nbval: $(STAMP)
 	$(KERNELS_ELSEWHERE) $(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder $(NBVAL) \

@@ -235,7 +235,7 @@ def test_recomputation_never_increases_activation_memory(s, b, shape, tp, sp):
 
 
 def test_selective_recompute_flops_is_q_k_transpose_by_hand():
-    # 2 b s^2 h: b = 2, s = 128, h = 256 -> 16,777,216 FLOPs, what chapter 09 measures.
+    # 2 b s^2 h: b = 2, s = 128, h = 256 -> 16,777,216 FLOPs, what chapter 3 measures.
     assert selective_recompute_flops(128, 2, 256) == 16_777_216
     # The 70B example: s = 4096, b = 1, h = 8192 over TP 8: 2 x 4096^2 x 8192 / 8.
     assert selective_recompute_flops(4096, 1, 8192, tp=8) == 34_359_738_368

@@ -242,7 +242,7 @@ def test_published_utilisation_rejects_bad_rows():
 
 
 def test_utilisation_band_is_the_published_training_runs():
-    # Chapter 12's band: MT-NLG on 3,360 GPUs (26.7 % in 6N) to Llama 3 405B's 8K stage
+    # Chapter 15's band: MT-NLG on 3,360 GPUs (26.7 % in 6N) to Llama 3 405B's 8K stage
     # on 8,192 GPUs (40.1 %); benchmarks (Megatron-LM's, Korthikanti's) are left out.
     low, high = compute.utilisation_band()
     trained = [

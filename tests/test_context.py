@@ -1,4 +1,4 @@
-"""context: chapter 14's formulas, pinned to hand-worked numbers."""
+"""context: chapter 10's formulas, pinned to hand-worked numbers."""
 
 import pytest
 from hypothesis import given

@@ -1,4 +1,4 @@
-"""figures.checkpointing: chapter 09's saved activations over a step and one layer's bytes."""
+"""figures.checkpointing: chapter 3's saved activations over a step and one layer's bytes."""
 
 import matplotlib.pyplot as plt
 import pytest

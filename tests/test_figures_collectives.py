@@ -1,4 +1,4 @@
-"""figures.collectives: chapter 04's four collectives, ring all-reduce and bandwidth curves."""
+"""figures.collectives: chapter 6's four collectives, ring all-reduce and bandwidth curves."""
 
 import pytest
 from matplotlib.patches import Rectangle

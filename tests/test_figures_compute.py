@@ -1,4 +1,4 @@
-"""figures.compute: chapter 11's FLOP breakdown, attention share and cost table."""
+"""figures.compute: chapter 14's FLOP breakdown, attention share and cost table."""
 
 from trainscale import figures
 from trainscale.figures.style import svg_text

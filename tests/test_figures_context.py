@@ -1,4 +1,4 @@
-"""figures.context: chapter 14's ring steps, work per rank and traffic against length."""
+"""figures.context: chapter 10's ring steps, work per rank and traffic against length."""
 
 import pytest
 
@@ -45,7 +45,7 @@ def test_traffic_draws_each_scheme_in_both_panels():
 
 
 def test_ring_steps_title_fits_inside_the_figure():
-    # Chapter 14's longest title was clipped at the left when it sat over the grid alone.
+    # Chapter 10's longest title was clipped at the left when it sat over the grid alone.
     title = "Causal ring attention on 4 ranks, contiguous split"
     fig = figures.ring_attention_steps(ring_schedule(4), title, "s")
     box = fig._suptitle.get_window_extent(fig._get_renderer())

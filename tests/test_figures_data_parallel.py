@@ -1,4 +1,4 @@
-"""figures.data_parallel: chapter 03's batch split (the same bytes every run) and the
+"""figures.data_parallel: chapter 5's batch split (the same bytes every run) and the
 bucket timeline of a measured backward pass."""
 
 import pytest

@@ -1,4 +1,4 @@
-"""figures.efficiency: chapter 12's matmul rates, step times, MFU and loader timeline."""
+"""figures.efficiency: chapter 15's matmul rates, step times, MFU and loader timeline."""
 
 from trainscale import figures
 from trainscale.efficiency import loader_timeline

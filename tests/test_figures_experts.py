@@ -1,4 +1,4 @@
-"""figures.experts: chapter 15's tokens per expert and all-to-all matrix."""
+"""figures.experts: chapter 11's tokens per expert and all-to-all matrix."""
 
 import matplotlib.pyplot as plt
 import pytest

@@ -1,4 +1,4 @@
-"""figures.memory: chapter 02's memory stack against a GPU and activations against the batch."""
+"""figures.memory: chapter 2's memory stack against a GPU and activations against the batch."""
 
 import matplotlib.pyplot as plt
 import pytest

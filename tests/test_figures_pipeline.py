@@ -1,4 +1,4 @@
-"""figures.pipeline: chapter 07's pipeline timelines and bubble curves."""
+"""figures.pipeline: chapter 9's pipeline timelines and bubble curves."""
 
 import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg

@@ -1,4 +1,4 @@
-"""figures.planner: chapter 13's best layouts and why the others fail, for the 70B example."""
+"""figures.planner: chapter 16's best layouts and why the others fail, for the 70B example."""
 
 import pytest
 

@@ -1,4 +1,4 @@
-"""figures.precision: chapter 08's format ranges, gradient histogram, loss-scale trace,
+"""figures.precision: chapter 12's format ranges, gradient histogram, loss-scale trace,
 accumulation and fp8 cast histogram."""
 
 import math

@@ -1,4 +1,4 @@
-"""figures.reliability: chapter 13's checkpoint-interval trade-off and simulated run."""
+"""figures.reliability: chapter 16's checkpoint-interval trade-off and simulated run."""
 
 import matplotlib.pyplot as plt
 import pytest

@@ -1,4 +1,4 @@
-"""figures.schedule: chapter 10's learning-rate schedule, training curves and weight-decay bars."""
+"""figures.schedule: chapter 13's learning-rate schedule, training curves and weight-decay bars."""
 
 import math
 

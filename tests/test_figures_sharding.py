@@ -1,4 +1,4 @@
-"""figures.sharding: ZeRO's memory bars and the FSDP timeline of chapter 05."""
+"""figures.sharding: ZeRO's memory bars and the FSDP timeline of chapter 7."""
 
 import pytest
 

@@ -1,4 +1,4 @@
-"""figures.step: chapter 01's timeline of a training step and bars of counted FLOPs."""
+"""figures.step: chapter 1's timeline of a training step and bars of counted FLOPs."""
 
 import matplotlib.pyplot as plt
 import pytest

@@ -1,4 +1,4 @@
-"""figures.tensor_parallel: chapter 06's split-MLP diagram and time bars."""
+"""figures.tensor_parallel: chapter 8's split-MLP diagram and time bars."""
 
 import pytest
 

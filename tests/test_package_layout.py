@@ -60,9 +60,9 @@ PLANNER_ORDER: tuple[str, ...] = (
     "planner.cli",
     "planner.__main__",
 )
-"""The planner package's modules in the order of chapter 13's sections, from what the
+"""The planner package's modules in the order of chapter 16's sections, from what the
 planner is given to its command line: a module may import only those before it (the
-package's ``__init__`` re-exports the model for chapter 13; the command line builds on it)."""
+package's ``__init__`` re-exports the model for chapter 16; the command line builds on it)."""
 
 TRAIN_ORDER: tuple[str, ...] = (
     "train.shapes",
@@ -93,7 +93,7 @@ PACKAGE_TEST_FILES = {
     "train": "test_train.py",
 }
 """Packages whose modules share one test file: the planner was one module until it was
-split by chapter 13's sections, and ``tests/test_planner.py`` tests it through the
+split by chapter 16's sections, and ``tests/test_planner.py`` tests it through the
 package's names; the capstone's likewise (``train.py`` became ``trainscale/train/``),
 through ``tests/test_train.py``. A module of such a package with a test file of its own
 (``planner.cli`` -> ``test_planner_cli.py``) is tested there instead."""
@@ -335,7 +335,7 @@ def test_each_ordered_package_names_its_modules_and_keeps_its_order(package):
 
 def test_the_capstones_order_is_what_its_modules_import():
     # Not vacuous: the loop builds on the layout, the data and the checkpoints; the
-    # layout reaches chapter 06's tensor-parallel plan, one layer down.
+    # layout reaches chapter 8's tensor-parallel plan, one layer down.
     source = PACKAGE.joinpath("train", "loop.py").read_text()
     imported = imported_modules(source, "train.loop")
     assert {"train.config", "train.data", "train.parallelize", "train.checkpoints"} <= imported

@@ -36,7 +36,7 @@ def layouts_70b():
     return P.plan(M70, H100, BATCH)
 
 
-# --- Korthikanti et al.: activations of one transformer layer (chapter 09's table) ------------
+# --- Korthikanti et al.: activations of one transformer layer (chapter 3's table) ------------
 
 
 def test_the_planner_counts_activations_with_chapter_09s_table():
@@ -46,7 +46,7 @@ def test_the_planner_counts_activations_with_chapter_09s_table():
     assert P.layer_activation_bytes(2048, 1, 12288, 96, 8, True) == 25_165_824 * (34 + 80) / 8
 
 
-# --- Model state per GPU: chapters 02 and 05 ------------------------------------------
+# --- Model state per GPU: chapters 2 and 7 ------------------------------------------
 
 
 def test_70b_state_is_1_1_tb():
@@ -76,7 +76,7 @@ def test_70b_state_per_gpu_with_tp8_pp4_dp2_at_each_zero_stage():
 
 
 def test_context_parallel_ranks_shard_the_state_like_data_parallel_ones():
-    # CP splits the tokens, not the weights: ZeRO shards over DP x CP (chapter 14).
+    # CP splits the tokens, not the weights: ZeRO shards over DP x CP (chapter 10).
     for zero in range(4):
         split = P.model_state_per_gpu(M70, 8, 4, 1, zero, context_parallel=2)
         assert split == P.model_state_per_gpu(M70, 8, 4, 2, zero)
@@ -227,7 +227,7 @@ def test_zero_traffic_per_stage_relative_to_an_all_reduce(micro_batches):
     assert traffic[3] == pytest.approx(traffic[0] * 3 * m / 2, rel=1e-9)
     # All four move (d-1)/d x 2 bytes per parameter per collective, DP across nodes.
     assert traffic[0] == pytest.approx(2 * 0.75 * 2 * 1.2e9 / 10e9, rel=1e-9)
-    # The bytes are chapter 05's, per step of m micro-batches, over the 10 GB/s network.
+    # The bytes are chapter 7's, per step of m micro-batches, over the 10 GB/s network.
     for zero, seconds in enumerate(traffic):
         sent = sharding.zero_traffic(1.2e9, 4, zero, micro_batches=m)
         assert seconds == pytest.approx(sum(sent.values()) / 10e9, rel=1e-9)
@@ -574,7 +574,7 @@ def test_calibration_against_the_fit_runs(capsys):
     """The A100 runs the model is read against. Its margin makes 90 % of them fall in the
     range by construction (conformal), so coverage here is no evidence; the median error
     of the central estimate and the ranges' widths are. The held-out runs' figures are
-    chapter 13's appendix's to print: no test pins them."""
+    chapter 16's appendix's to print: no test pins them."""
     estimates = calibration_estimates()
     summary = P.calibration_targets(estimates)
     with capsys.disabled():
@@ -817,7 +817,7 @@ def test_the_last_stage_sets_the_pace_with_its_own_layers():
 
 def test_a_published_utilisation_restated_as_a_run():
     # Korthikanti et al.'s 530B with full recomputation on 2,240 GPUs: 41.4 % of peak in
-    # 6N (chapter 12), so the step is 6 N x 2,240 x 2,048 / (2,240 x 312e12 x 0.414).
+    # 6N (chapter 15), so the step is 6 N x 2,240 x 2,048 / (2,240 x 312e12 x 0.414).
     use = next(u for u in compute.PUBLISHED_UTILISATION if u.name.endswith("full recompute"))
     base = next(r for r in P.published_runs() if r.name.startswith("GPT 530B on 2,240"))
     run = P.restated_run(use, base, recompute="full", sequence_parallel=False)
@@ -1049,7 +1049,7 @@ def test_zero2_reduce_scatter_hides_under_the_next_micro_batch_too():
     assert _data_parallel_seconds(1000, 2, 2, 1.0, 100.0, 300.0, 2, 8) == (600.0, 1000.0)
 
 
-# --- Context and expert parallelism (chapters 14 and 15) -------------------------------------
+# --- Context and expert parallelism (chapters 10 and 11) -------------------------------------
 
 LONG_8B = P.LONG_CONTEXT_MODEL  # Llama 3 8B's shape at 131,072 tokens
 MIXTRAL = P.MOE_MODEL  # Mixtral 8x7B's shape: 8 SwiGLU experts of width 14,336, top-2

@@ -78,7 +78,7 @@ def test_every_corner_brackets_the_central_estimate_of_a_layout(corner):
 
 
 def test_megatrons_sequence_parallelism_gathers_again_in_backward():
-    # Chapter 06's count: TP alone 2 + 2 all-reduces (8 halves); Megatron's sequence
+    # Chapter 8's count: TP alone 2 + 2 all-reduces (8 halves); Megatron's sequence
     # parallelism 4 halves forward, 6 backward; DTensor's keeps the gathered input, 4 + 4.
     assert _tensor_halves("") == {"forward": 4, "backward": 4}
     assert _tensor_halves("re-gather") == {"forward": 4, "backward": 6}
@@ -87,7 +87,7 @@ def test_megatrons_sequence_parallelism_gathers_again_in_backward():
 
 
 def test_dtensors_plan_keeps_more_activations_than_megatrons():
-    # Chapter 06: the gathered layer-norm outputs kept whole, 4 sbh (1 - 1/t) more.
+    # Chapter 8: the gathered layer-norm outputs kept whole, 4 sbh (1 - 1/t) more.
     # (megatron-core-te keeps dropout masks, torchtitan none: the model says none for both)
     same = dataclasses.replace(P.EXAMPLE_MODEL, dropout=False)
     args = (same, P.EXAMPLE_CLUSTER, 1024, 8, 4, 2, 1, "none")

@@ -1,6 +1,6 @@
 """The planner's core imports and plans with the standard library alone (no torch, no numpy).
 
-Chapter 13's web page runs :mod:`trainscale.planner` under Pyodide, which has neither
+Chapter 16's web page runs :mod:`trainscale.planner` under Pyodide, which has neither
 torch nor numpy. Here a fresh interpreter with both made unimportable plans the same
 layouts as this one, which has them; and the dtype sizes the model state is counted in
 (:data:`trainscale.memory.DTYPE_BYTES`) are torch's own.
@@ -121,7 +121,7 @@ def test_a_torch_dtype_counts_as_its_name():
 
 
 def test_the_command_line_s_json_is_the_same_without_torch_but_for_the_capstone_s_check():
-    # plan_json is what chapter 13's web page runs. Without torch, trainscale.train's own
+    # plan_json is what chapter 16's web page runs. Without torch, trainscale.train's own
     # checks cannot run: the command is layout 1's, marked unchecked, with a note saying so.
     argv = ["--model", PRESETS[1]]
     here = planner_cli.plan_json(argv)

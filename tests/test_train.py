@@ -1,6 +1,6 @@
 """The capstone training script: deterministic data, any layout, checkpoints that reshard.
 
-Chapter 16 runs the planner's TP 2 x PP 2 x DP 2 against one process (and the
+Chapter 17 runs the planner's TP 2 x PP 2 x DP 2 against one process (and the
 same command under torchrun), restarts it as DP 4 on 4 ranks, and crashes and
 restarts an FSDP run with bitwise equal final weights; nbval re-runs and checks
 those. The slow tests here run the other layouts (TP x DP, PP x DP, pure FSDP,
@@ -830,7 +830,7 @@ def test_a_checkpoint_of_another_run_is_refused(tmp_path, one_rank):
 
 
 # --------------------------------------------------------------------------- real runs
-# Chapter 16 shows TP 2 x PP 2 x DP 2 against one process, its restart as DP 4 on
+# Chapter 17 shows TP 2 x PP 2 x DP 2 against one process, its restart as DP 4 on
 # 4 ranks, and a crash and restart (bitwise equal final weights); nbval re-runs
 # those. These runs check the other layouts, tensor by tensor.
 
@@ -978,7 +978,7 @@ def test_every_rank_refuses_a_bad_layout_before_any_collective():
 
 
 def test_the_full_size_cases_are_the_commands_the_book_hands_out():
-    # Chapter 16's three layouts: the planner's printed commands (without the log's peak)
+    # Chapter 17's three layouts: the planner's printed commands (without the log's peak)
     # and Meta's 405B layout with sixteen micro-batches of one sequence (16 = 8 x 2).
     from trainscale.train import full_size
 

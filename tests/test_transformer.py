@@ -263,7 +263,7 @@ def test_functions_reject_something_that_is_not_a_config():
         attend(*torch.zeros(3, 1, 2, 2), kind="flash")
 
 
-# --- chapter 11's additions to trainscale.compute ----------------------------------------
+# --- chapter 14's additions to trainscale.compute ----------------------------------------
 
 
 def test_attention_term_by_hand():
@@ -339,7 +339,7 @@ def test_attention_term_names_the_bad_argument():
             attention_training_flops(**args)
 
 
-# --- QK-layernorm (chapter 10) ---------------------------------------------------------------
+# --- QK-layernorm (chapter 13) ---------------------------------------------------------------
 
 
 def test_qk_norm_adds_two_norms_per_block_and_keeps_the_other_weights():
@@ -423,7 +423,7 @@ def test_the_qkv_layout_is_checked():
 
 
 def test_an_attention_function_set_on_a_block_replaces_attend():
-    # Chapter 16 sets ring attention here; any function of (q, k, v) is called instead.
+    # Chapter 17 sets ring attention here; any function of (q, k, v) is called instead.
     config = GPTConfig(vocab=16, context=8, d_model=12, layers=2, heads=3, attention="sdpa")
     model = gpt(config, seed=3)
     tokens = torch.randint(0, 16, (2, 8), generator=torch.Generator().manual_seed(0))

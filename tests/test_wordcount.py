@@ -39,7 +39,7 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 
 def _name(path: Path) -> str:
-    """A notebook's name without its chapter number: 07_pipeline_parallelism -> pipeline..."""
+    """A notebook's name without its chapter number: 09_pipeline_parallelism -> pipeline..."""
     return re.sub(r"^\d+_", "", path.stem)
 
 

@@ -1,4 +1,4 @@
-"""workers.sharding: the FSDP2 worker of chapter 05.
+"""workers.sharding: the FSDP2 worker of chapter 7.
 
 Notebook 05 runs it on 4 real ranks and checks, on every rank, the bytes held and
 allocated against ``sharding.fsdp_state_bytes`` and ``fsdp_padded_numel``, the order of

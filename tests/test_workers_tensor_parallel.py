@@ -1,4 +1,4 @@
-"""workers.tensor_parallel: chapter 06's DTensor worker. Notebook 06 runs it on 4 real
+"""workers.tensor_parallel: chapter 8's DTensor worker. Notebook 06 runs it on 4 real
 ranks and checks its outputs against the unsplit layers, and the transformer block's
 collectives and kept bytes with and without sequence parallelism; here, its layers
 against the one-process attention, the block's kept bytes in one process against a

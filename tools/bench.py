@@ -11,7 +11,7 @@ for a 2-core machine: each notebook <= 45 s (warned from 40 s) and their median
 
     python tools/bench.py                    # everything
     python tools/bench.py phases planner     # some parts: phases, notebooks, check,
-                                             # planner, estimates (chapter 16's
+                                             # planner, estimates (chapter 17's
                                              # full-size memory), page (the built site's
                                              # planner page in Chromium: make site first)
 """
@@ -52,7 +52,7 @@ def notebooks() -> list[tuple[str, float]]:
     rows = []
     for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
         notebook = nbformat.read(path, as_version=4)
-        # cells nbval skips are timed elsewhere (chapter 16's full-size estimates)
+        # cells nbval skips are timed elsewhere (chapter 17's full-size estimates)
         notebook.cells = [
             c for c in notebook.cells if "nbval-skip" not in c.get("metadata", {}).get("tags", [])
         ]
@@ -233,7 +233,7 @@ def page() -> list[tuple[str, float]]:
 
 
 def estimates() -> list[tuple[str, float]]:
-    """Chapter 16's three full-size memory checks (its cell tagged ``nbval-skip``): each
+    """Chapter 17's three full-size memory checks (its cell tagged ``nbval-skip``): each
     layout's step on a fake world, torch's tracker beside the planner (printed too)."""
     sys.path.insert(0, str(ROOT / "src"))
     from trainscale import train

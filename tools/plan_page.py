@@ -1,4 +1,4 @@
-"""What chapter 13's "Plan your run" page needs besides its committed JavaScript.
+"""What chapter 16's "Plan your run" page needs besides its committed JavaScript.
 
 The page runs the real ``trainscale.planner`` in the reader's browser, under Pyodide
 (CPython compiled to WebAssembly). ``make site`` and ``make site-check`` run this first:

@@ -16,29 +16,29 @@ from trainscale import __version__, compute, memory, pipeline, planner, sharding
 from trainscale.collectives import ring_bytes_per_rank, ring_factor
 
 # The worked examples' inputs, as the chapters choose them (assumptions, not measurements).
-PARAMS_7B = 7e9  # chapters 01, 02, 04, 05, 11 and 12: a 7B-parameter model
-GPUS = 8  # chapters 01, 04, 05 and 11: one node of 8 GPUs
-SEQUENCES_PER_GPU, SEQ_LEN = 4, 4096  # chapters 01, 04, 11: sequences per GPU per step
-PEAK_FLOPS, MFU = 1000e12, 0.40  # chapters 01, 04, 11: FLOP/s per GPU, share of peak
-LINK_BYTES_PER_S = 100e9  # chapters 01, 04, 11: bytes per second each GPU sends
+PARAMS_7B = 7e9  # chapters 1, 2, 6, 7, 14 and 15: a 7B-parameter model
+GPUS = 8  # chapters 1, 6, 7 and 14: one node of 8 GPUs
+SEQUENCES_PER_GPU, SEQ_LEN = 4, 4096  # chapters 1, 6, 14: sequences per GPU per step
+PEAK_FLOPS, MFU = 1000e12, 0.40  # chapters 1, 6, 14: FLOP/s per GPU, share of peak
+LINK_BYTES_PER_S = 100e9  # chapters 1, 6, 14: bytes per second each GPU sends
 BF16_BYTES = 2  # bytes per bf16 gradient
-BUDGET_PARAMS, BUDGET_TOKENS = 1e9, 100e9  # chapter 11: 1B parameters on 100B tokens
-STAGES, MICRO_BATCHES = 4, (4, 12)  # chapter 07: pipeline stages, micro-batches per step
-INTERLEAVED_MICRO_BATCHES, INTERLEAVED_CHUNKS = 8, 2  # chapter 07: interleaved 1F1B
-TOKENS_PER_GPU_PER_S, A100_BF16_FLOPS = 3000, 312e12  # chapter 12: the job's report, A100 peak
-TOP_LAYOUTS = 3  # chapter 13: how many of the planner's best shapes to show
+BUDGET_PARAMS, BUDGET_TOKENS = 1e9, 100e9  # chapter 14: 1B parameters on 100B tokens
+STAGES, MICRO_BATCHES = 4, (4, 12)  # chapter 9: pipeline stages, micro-batches per step
+INTERLEAVED_MICRO_BATCHES, INTERLEAVED_CHUNKS = 8, 2  # chapter 9: interleaved 1F1B
+TOKENS_PER_GPU_PER_S, A100_BF16_FLOPS = 3000, 312e12  # chapter 15: the job's report, A100 peak
+TOP_LAYOUTS = 3  # chapter 16: how many of the planner's best shapes to show
 
 COMMANDS = """\
 command lines of the package:
   python -m trainscale
       these headline numbers
   python -m trainscale.planner --model 70b [--laptop 8]
-      the layout planner of chapter 13: the best layouts of a model on a cluster,
+      the layout planner of chapter 16: the best layouts of a model on a cluster,
       and the torchrun command that trains the best (--help for models and clusters)
   python -m trainscale.efficiency [--device cuda --dtype bfloat16]
-      measure a device's peak matmul rate and the MFU of a training loop (chapter 12)
+      measure a device's peak matmul rate and the MFU of a training loop (chapter 15)
   python -m trainscale.launch --nproc-per-node=2 -m trainscale.train --parallel fsdp
-      the capstone: a small GPT on any TP x PP x DP layout, restartably (chapter 16);
+      the capstone: a small GPT on any TP x PP x DP layout, restartably (chapter 17);
       `python -m trainscale.train --help` lists its flags
   python -m trainscale.launch --nproc-per-node=4 -m trainscale.workers.NAME
       a chapter's real multi-process check, NAME one of data_parallel (03),
@@ -56,7 +56,7 @@ def _gib(n_bytes: float) -> str:
 
 
 def memory_lines() -> list[str]:
-    """Chapter 02: bytes per parameter of bf16 mixed precision with Adam, and what that totals."""
+    """Chapter 2: bytes per parameter of bf16 mixed precision with Adam, and what that totals."""
     parts = " + ".join(f"{part} {size}" for part, size in memory.BYTES_PER_PARAM.items())
     total = sum(memory.BYTES_PER_PARAM.values())
     states = ", ".join(
@@ -71,7 +71,7 @@ def memory_lines() -> list[str]:
 
 
 def sharding_lines() -> list[str]:
-    """Chapter 05: what each ZeRO stage leaves on each of :data:`GPUS` GPUs."""
+    """Chapter 7: what each ZeRO stage leaves on each of :data:`GPUS` GPUs."""
     per_param = ", ".join(
         f"{name} {sharding.bytes_per_param(GPUS, stage):g}"
         for stage, name in sharding.STAGE_NAMES.items()
@@ -88,7 +88,7 @@ def sharding_lines() -> list[str]:
 
 
 def collective_lines() -> list[str]:
-    """Chapter 04: the ring all-reduce's traffic, and what it costs the 7B example."""
+    """Chapter 6: the ring all-reduce's traffic, and what it costs the 7B example."""
     factors = ", ".join(f"{ring_factor(ranks):.4g} on {ranks:,}" for ranks in (2, GPUS, 1024))
     gradient_bytes = BF16_BYTES * PARAMS_7B
     sent = ring_bytes_per_rank(gradient_bytes, GPUS)
@@ -102,7 +102,7 @@ def collective_lines() -> list[str]:
 
 
 def pipeline_lines() -> list[str]:
-    """Chapter 07: the pipeline bubble, flat and interleaved."""
+    """Chapter 9: the pipeline bubble, flat and interleaved."""
     flat = ", ".join(
         f"{pipeline.bubble(STAGES, m):.1%} with {m} micro-batches" for m in MICRO_BATCHES
     )
@@ -116,7 +116,7 @@ def pipeline_lines() -> list[str]:
 
 
 def step_lines() -> list[str]:
-    """Chapter 01: 6ND for one step of the 7B example, and how long the step takes."""
+    """Chapter 1: 6ND for one step of the 7B example, and how long the step takes."""
     tokens = GPUS * SEQUENCES_PER_GPU * SEQ_LEN
     step_flops = compute.training_flops(PARAMS_7B, tokens)
     step_s = compute.training_seconds(PARAMS_7B, tokens, GPUS, PEAK_FLOPS, MFU)
@@ -132,7 +132,7 @@ def step_lines() -> list[str]:
 
 
 def budget_lines() -> list[str]:
-    """Chapter 11: 6ND and the wall-clock time of a whole 1B-parameter run."""
+    """Chapter 14: 6ND and the wall-clock time of a whole 1B-parameter run."""
     run = compute.training_budget(BUDGET_PARAMS, BUDGET_TOKENS, GPUS, PEAK_FLOPS, MFU, 1.0)
     return [
         "11 How much compute, how long?",
@@ -143,12 +143,12 @@ def budget_lines() -> list[str]:
 
 
 def _assumed_gpus() -> str:
-    """The hardware chapters 01, 04 and 11 assume, in words."""
+    """The hardware chapters 1, 6 and 14 assume, in words."""
     return f"{GPUS} GPUs at {PEAK_FLOPS / 1e12:,.0f} TFLOP/s and {MFU:.0%} MFU"
 
 
 def efficiency_lines() -> list[str]:
-    """Chapter 12: the MFU of the 7B job that reports 3,000 tokens per second per A100."""
+    """Chapter 15: the MFU of the 7B job that reports 3,000 tokens per second per A100."""
     share = compute.mfu(TOKENS_PER_GPU_PER_S, PARAMS_7B, gpus=1, peak_flops=A100_BF16_FLOPS)
     return [
         "12 Measuring efficiency",
@@ -158,7 +158,7 @@ def efficiency_lines() -> list[str]:
 
 
 def planner_lines() -> list[str]:
-    """Chapter 13: the planner's best layouts for the 70B worked example."""
+    """Chapter 16: the planner's best layouts for the 70B worked example."""
     model, cluster = planner.EXAMPLE_MODEL, planner.EXAMPLE_CLUSTER
     batch = planner.EXAMPLE_GLOBAL_BATCH
     layouts = planner.plan(model, cluster, batch)

@@ -1,4 +1,4 @@
-"""The gradient noise scale and the critical batch size (chapter 10).
+"""The gradient noise scale and the critical batch size (chapter 13).
 
 McCandlish et al. (arXiv 1812.06162) model one step of SGD on a batch of ``B``
 examples. The batch's mean gradient is the true gradient ``G`` plus noise whose
@@ -146,7 +146,7 @@ def scaled_learning_rate(lr: float, batch: float, new_batch: float, exponent: fl
     ``exponent = 1`` is the linear scaling rule (Goyal et al., arXiv 1706.02677),
     which holds for SGD while the batch is well below the noise scale
     (:func:`optimal_lr_share`); ``0.5`` is the square-root rule, the gain of Adam's
-    later steps while noise dominates (chapter 10). McCandlish et al. found Adam's
+    later steps while noise dominates (chapter 13). McCandlish et al. found Adam's
     best rate to grow with an exponent between the two, so for Adam the linear value
     is an upper bound. The batches are in any one unit (examples, sequences or
     tokens); ``exponent`` is in ``[0, 1]``.

@@ -1,4 +1,4 @@
-"""Activation checkpointing: memory traded for recomputation (chapter 09).
+"""Activation checkpointing: memory traded for recomputation (chapter 3).
 
 Four parts:
 
@@ -10,13 +10,13 @@ Four parts:
   and without checkpointing, counted by ``FlopCounterMode``, and
   :func:`step_operator_calls`, the operators the same step calls;
 - :class:`TransformerLayer` (kept in :mod:`trainscale.transformer`, read here), the book's
-  transformer block as chapter 09 measures it, with
+  transformer block as chapter 3 measures it, with
   :func:`saved_by_op` to list what autograd keeps for it, set beside
   Korthikanti et al.'s estimate :func:`korthikanti_bytes` (arXiv 2205.05198);
 - Korthikanti et al.'s table of what a layer keeps (:data:`ACTIVATION_PARTS`),
   with tensor and sequence parallelism and the recomputation modes
   (:func:`layer_activation_bytes`, :data:`RECOMPUTE`), and the FLOPs selective
-  recomputation adds (:func:`selective_recompute_flops`), which chapter 13's
+  recomputation adds (:func:`selective_recompute_flops`), which chapter 16's
   planner composes.
 """
 
@@ -311,7 +311,7 @@ for the layer norms. Tensor parallelism splits the rows inside the attention and
 MLP blocks by ``t`` (the ``24 s b h`` and the ``5 a s^2 b``); the other ``10 s b h``
 stay whole on every TP rank unless sequence parallelism splits them along the
 sequence too. The one table behind :func:`korthikanti_terms`,
-:func:`layer_activation_bytes` and the planner of chapter 13."""
+:func:`layer_activation_bytes` and the planner of chapter 16."""
 
 
 def _layer_sizes(seq_len: int, micro_batch: int, hidden: int, heads: int) -> tuple[int, int]:
@@ -352,7 +352,7 @@ def korthikanti_bytes(seq_len: int, micro_batch: int, hidden: int, heads: int) -
 
 @dataclass(frozen=True)
 class LayerShape:
-    """What a layer's activations depend on beyond GPT's shape (chapter 13's planner).
+    """What a layer's activations depend on beyond GPT's shape (chapter 16's planner).
 
     ``kv_heads`` (grouped-query attention, Ainslie et al. 2023; ``None``: one per query
     head), ``ffn_hidden`` (the MLP's hidden width; ``None``: ``4 hidden``),
@@ -497,7 +497,7 @@ def selective_recompute_flops(seq_len: int, micro_batch: int, hidden: int, tp: i
     What it leaves out, and why: the product of the probabilities with ``V``. Its
     output (the input of the output projection) is kept, and its backward needs only
     its inputs, so it need not run again. PyTorch's ``checkpoint`` stops recomputing
-    once backward has every tensor it needs, and chapter 09 measures exactly
+    once backward has every tensor it needs, and chapter 3 measures exactly
     ``2 b s^2 h``; FlashAttention's backward also recomputes only the scores.
     Megatron-LM's checkpointed core attention reruns the whole function, the product
     with ``V`` included: ``4 b s^2 h``, an upper bound, and the count the text of

@@ -1,8 +1,8 @@
-"""Collective operations simulated in one process (chapter 04).
+"""Collective operations simulated in one process (chapter 6).
 
 ``tensors[r]`` is what rank ``r`` holds. The ring algorithm is written out step
 by step, exactly as the ranks would run it, so the book can count what each
-rank sends and draw every intermediate state. Chapter 04 runs the same
+rank sends and draw every intermediate state. Chapter 6 runs the same
 algorithm with real ``send``/``recv`` between processes.
 
 Each tensor is cut into one chunk per rank with ``torch.tensor_split``, which
@@ -129,7 +129,7 @@ class RingTransfer:
 def ring_schedule(rank: int, ranks: int) -> list[RingTransfer]:
     """Every transfer ``rank`` makes in a ring all-reduce over ``ranks`` ranks, in order.
 
-    The same schedule as :func:`ring_all_reduce` (which chapter 04 runs on real
+    The same schedule as :func:`ring_all_reduce` (which chapter 6 runs on real
     processes with ``send``/``recv``): ``2 * (ranks - 1)`` steps, after the
     first ``ranks - 1`` of which the rank owns the complete sum of chunk
     ``(rank + 1) % ranks``. What a rank receives is what its left neighbour
@@ -488,7 +488,7 @@ def tp_comm_to_compute(
     return comm_seconds / (layer_flops / t / rate)
 
 
-# --- one tensor-parallel layer's collectives, with and without sequence parallelism (ch 06) -
+# --- one tensor-parallel layer's collectives, with and without sequence parallelism (ch 8) -
 
 SEQUENCE_PARALLEL_STYLES = ("none", "keep gathered", "re-gather")
 """How a layer runs sequence parallelism (:func:`layer_collectives`): not at all

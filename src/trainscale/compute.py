@@ -1,18 +1,18 @@
-"""How much arithmetic a training run needs, and how long it takes (chapters 01, 11, 12).
+"""How much arithmetic a training run needs, and how long it takes (chapters 1, 14, 15).
 
 A dense model with ``N`` parameters spends about 2 FLOPs per parameter per
 token in the forward pass (one multiply, one add) and about 4 in the backward
 pass (the gradient with respect to the layer's input *and* with respect to its
 weights), so training costs ``6 * N * D`` FLOPs for ``D`` tokens
 (Kaplan et al., arXiv 2001.08361). Attention's own sequence-squared work is not
-in this count; :func:`attention_training_flops` adds it, and chapter 11
+in this count; :func:`attention_training_flops` adds it, and chapter 14
 measures both against PyTorch's FLOP counter.
 
 Published runs count a token's FLOPs in different ways. :data:`FLOP_CONVENTIONS`
 is the book's one table of them (what each counts, who uses it),
 :func:`flops_per_token` computes each, :func:`convert_utilisation` restates a
 utilisation from one count in another, and :data:`PUBLISHED_UTILISATION` holds
-every published utilisation chapters 11 and 12 quote, with its source. The book's
+every published utilisation chapters 14 and 15 quote, with its source. The book's
 own count is ``6N``: attention's products are work the model needs, which ``6N``
 leaves out; only recomputation is not (that is HFU).
 """
@@ -105,7 +105,7 @@ FLOP_CONVENTIONS: dict[str, FlopConvention] = {
         "two token-by-token products, which are model work too, so it understates long "
         "contexts",
         True,
-        "Kaplan et al. 2020 (arXiv 2001.08361, C = 6ND); this book's MFU and chapter 13's planner",
+        "Kaplan et al. 2020 (arXiv 2001.08361, C = 6ND); this book's MFU and chapter 16's planner",
     ),
     "palm": FlopConvention(
         "palm",
@@ -451,9 +451,9 @@ PUBLISHED_UTILISATION: tuple[PublishedUtilisation, ...] = (
         )
     ),
 )
-"""Every published utilisation chapters 11 and 12 quote, each with its source and count.
+"""Every published utilisation chapters 14 and 15 quote, each with its source and count.
 
-Six of these runs are also rows of ``data/published_runs.json`` (chapter 13's
+Six of these runs are also rows of ``data/published_runs.json`` (chapter 16's
 planner), which records their step times instead; both give the same utilisation
 (tests/test_compute.py checks it).
 """
@@ -477,7 +477,7 @@ class Budget:
 def utilisation_band(max_seq_len: int = 8192) -> tuple[float, float]:
     """``(lowest, highest)`` 6N utilisation of the published *training runs* of
     :data:`PUBLISHED_UTILISATION` (not benchmarks) at up to ``max_seq_len`` tokens per
-    sequence: the band chapter 12 holds a measured MFU against, and chapter 13 a planned
+    sequence: the band chapter 15 holds a measured MFU against, and chapter 16 a planned
     one."""
     longest = _checks.count("max_seq_len", max_seq_len, minimum=1)
     shares = [

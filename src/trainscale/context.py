@@ -1,4 +1,4 @@
-"""Context parallelism: the sequence split over ranks (chapter 14).
+"""Context parallelism: the sequence split over ranks (chapter 10).
 
 Context parallelism (CP) gives each of ``N`` ranks a slice of every sequence:
 ``S / N`` tokens of the queries, keys and values of each layer. Everything but

@@ -1,4 +1,4 @@
-"""Measuring efficiency on the machine in front of you (chapter 12).
+"""Measuring efficiency on the machine in front of you (chapter 15).
 
 Model FLOPs utilisation (:func:`trainscale.compute.mfu`) divides two numbers
 that must be measured: how fast the training loop really gets through the

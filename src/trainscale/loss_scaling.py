@@ -1,4 +1,4 @@
-"""Dynamic loss scaling for fp16 training (chapter 08).
+"""Dynamic loss scaling for fp16 training (chapter 12).
 
 fp16 stores nothing below 2**-24: a gradient smaller than half of that is
 rounded to zero. Multiplying the loss by a *scale* multiplies every gradient by
@@ -12,7 +12,7 @@ fp16 overflows to infinity.
 the step and halve the factor; after ``growth_interval`` good steps in a row,
 double it. It has the same methods as ``torch.amp.GradScaler`` (``scale``,
 ``unscale_``, ``step``, ``update``, ``get_scale``), so one training loop,
-:func:`fp16_train_step`, drives either, and chapter 08 checks that they agree
+:func:`fp16_train_step`, drives either, and chapter 12 checks that they agree
 step by step.
 
 :func:`fp16_forward` runs a model as fp16 mixed precision does, emulated so

@@ -1,8 +1,8 @@
-"""Where the memory goes (chapters 02, 05, 08 and 09).
+"""Where the memory goes (chapters 2, 7, 12 and 3).
 
 Model state, the part that scales with the parameter count alone, is counted
 with :data:`BYTES_PER_PARAM` and :func:`model_state_bytes`; :class:`StateDtypes`
-sets the dtype of each part, so other recipes (fp32 gradients, chapter 08) are
+sets the dtype of each part, so other recipes (fp32 gradients, chapter 12) are
 counted by the same functions. Activations, the
 part that scales with the batch, are measured rather than estimated:
 :func:`saved_activation_bytes` records every tensor autograd keeps for the
@@ -149,7 +149,7 @@ GIB = 2**30
 USABLE_MEMORY = 0.9
 """Share of a GPU's memory an estimate may fill with what it counts (model state and
 activations); the rest is left for what it does not count (CUDA context, NCCL buffers,
-allocator fragmentation). The planner (chapter 13) uses it."""
+allocator fragmentation). The planner (chapter 16) uses it."""
 
 
 def model_state_parts(

@@ -1,6 +1,6 @@
-"""The parallelisms simulated in one process (chapters 03, 06 and 09).
+"""The parallelisms simulated in one process (chapters 5, 8 and 3).
 
-The pipeline's bubble and schedules live in :mod:`trainscale.pipeline` (chapter 07).
+The pipeline's bubble and schedules live in :mod:`trainscale.pipeline` (chapter 9).
 
 Each function computes, on one CPU, what a group of GPUs would compute
 together, so its result can be compared with the plain single-device answer.
@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from trainscale import _checks
 
 # One layer's collectives live with the other collectives, which the planner imports without
-# torch; chapter 06 reads them here.
+# torch; chapter 8 reads them here.
 from trainscale.collectives import SEQUENCE_PARALLEL_STYLES as SEQUENCE_PARALLEL_STYLES
 from trainscale.collectives import layer_collective_bytes as layer_collective_bytes
 from trainscale.collectives import layer_collectives as layer_collectives
@@ -305,7 +305,7 @@ def tensor_parallel_traffic(
     Attention and the MLP each end with one all-reduce of the ``tokens x hidden``
     activations in forward, and each needs one of the same size for the input
     gradient in backward: four per layer. A ring all-reduce sends ``2(N-1)/N``
-    of the tensor from each device (chapter 4). ``bytes_per_value`` is 2 for bf16.
+    of the tensor from each device (chapter 6). ``bytes_per_value`` is 2 for bf16.
     """
     t = _checks.count("tokens", tokens, minimum=1)
     d = _checks.count("hidden", hidden, minimum=1)

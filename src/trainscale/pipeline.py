@@ -1,4 +1,4 @@
-"""Pipeline schedules simulated in one process (chapter 07).
+"""Pipeline schedules simulated in one process (chapter 9).
 
 A pipeline cuts a model into ``K`` consecutive *stages*, one per device, and a
 batch into ``M`` *micro-batches*. Each stage runs a forward pass of every
@@ -146,7 +146,7 @@ def bubble(stages: int, micro_batches: int, virtual_stages: int = 1) -> float:
     chunk takes ``1 / v`` of the time, so filling and draining the pipeline costs
     ``v`` times less: ``(p - 1) / (v m + p - 1)``. ``virtual_stages`` is what
     :func:`simulate` calls ``chunks``. The one home of the bubble formula: the
-    planner of chapter 13 and the real pipeline of chapter 07 use it.
+    planner of chapter 16 and the real pipeline of chapter 9 use it.
     """
     p = _checks.count("stages", stages, minimum=1)
     m = _checks.count("micro_batches", micro_batches, minimum=1)

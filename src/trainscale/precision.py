@@ -1,4 +1,4 @@
-"""What 16- and 8-bit numbers can and cannot hold (chapter 08).
+"""What 16- and 8-bit numbers can and cannot hold (chapter 12).
 
 fp16 has 10 stored mantissa bits but only 5 exponent bits: small gradients
 round to zero and large ones to infinity. bf16 keeps fp32's 8 exponent bits

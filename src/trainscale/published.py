@@ -1,4 +1,4 @@
-"""Published large training runs, as typed records, and the GPUs they ran on (chapter 13).
+"""Published large training runs, as typed records, and the GPUs they ran on (chapter 16).
 
 :class:`PublishedRun` holds what a paper states about one run; ``None`` marks what
 it does not publish. The rows live in ``data/published_runs.json`` inside the

@@ -1,4 +1,4 @@
-"""Failures and how often to checkpoint (chapter 13).
+"""Failures and how often to checkpoint (chapter 16).
 
 A synchronous training job stops when any one of its GPUs fails, so the job's
 mean time between failures (MTBF) is one GPU's MTBF divided by the GPUs:

@@ -1,4 +1,4 @@
-"""The learning-rate schedule of chapter 10: linear warmup, then cosine decay to a floor.
+"""The learning-rate schedule of chapter 13: linear warmup, then cosine decay to a floor.
 
 :func:`learning_rate` is the formula; :func:`torch_schedule` builds the same
 schedule from PyTorch's own schedulers, for a training loop to step.

@@ -1,13 +1,13 @@
-"""Sharding the model state: ZeRO's stages and FSDP, counted in one process (chapter 05).
+"""Sharding the model state: ZeRO's stages and FSDP, counted in one process (chapter 7).
 
 :mod:`trainscale.memory` counts the bytes a GPU holds at each ZeRO stage. This
-module adds what chapter 05 needs on top of that:
+module adds what chapter 7 needs on top of that:
 
 * bytes per parameter and communication of each stage, per run of each
   collective and per step of ``k`` micro-batches (with sharded or whole gradients
   accumulated), relative to plain data parallelism (:data:`ZERO_COLLECTIVES`,
   :func:`bytes_per_param`, :func:`zero_collective_bytes`, :func:`zero_traffic`); the
-  planner of chapter 13 takes its data-parallel bytes from here;
+  planner of chapter 16 takes its data-parallel bytes from here;
 * how FSDP2 (``torch.distributed.fsdp.fully_shard``) really cuts each tensor:
   along its first dimension, in ``ceil(rows / N)``-row chunks, the last ranks
   getting fewer rows or none (:func:`fsdp_shard_rows`, :func:`fsdp_state_bytes`);
@@ -68,7 +68,7 @@ class ZeroCollective:
     ``"reduce-scatter"`` or ``"all-gather"``), whether it carries ``"gradients"`` or
     ``"weights"``, whether it runs after every micro-batch (``per_micro_batch``) or once
     per step, and the compute it can hide under (``hides_under``: ``"forward"`` or
-    ``"backward"``, which the planner of chapter 13 uses)."""
+    ``"backward"``, which the planner of chapter 16 uses)."""
 
     name: str
     kind: str
@@ -128,7 +128,7 @@ def zero_collective_bytes(
 ) -> dict[str, int]:
     """Bytes one GPU sends in ONE run of each collective of a ZeRO stage.
 
-    Ring algorithms (chapter 04) over ``gpus`` GPUs on ``params`` values sharded into
+    Ring algorithms (chapter 6) over ``gpus`` GPUs on ``params`` values sharded into
     ``gpus`` equal shards of ``ceil(params / gpus)`` (padded, as ZeRO and FSDP pad):
     each GPU sends :func:`trainscale.collectives.ring_factor` of the padded tensor,
     ``gpus - 1`` shards per pass. ``bytes_per_value`` is the size of a weight (2 for
@@ -448,7 +448,7 @@ def fsdp_memory_moments(
       ``reduce_bytes``, default ``compute_bytes``), which FSDP2 keeps until this
       unit's reduce-scatter is issued (on a GPU it is still in flight).
 
-    These are the exact bytes of the tensors FSDP2 holds on a CPU (chapter 05 checks
+    These are the exact bytes of the tensors FSDP2 holds on a CPU (chapter 7 checks
     them rank by rank). On a GPU the CPU runs ahead of the kernels, so the next
     forward all-gather can be allocated while a unit still computes: count it with
     ``forward_prefetch=1``. Transient buffers (the copy into the all-gather input,

@@ -1,4 +1,4 @@
-"""The software a run trains with, as the planner's input (chapter 13).
+"""The software a run trains with, as the planner's input (chapter 16).
 
 What a training stack does changes a step's time and memory as much as the layout:
 whether its attention kernel is fused (the ``s x s`` scores never reach GPU memory),
@@ -27,12 +27,12 @@ GRADIENT_REDUCE_DTYPES = ("bf16", "fp16", "fp32")
 
 SEQUENCE_PARALLEL_STYLES = ("re-gather", "keep gathered")
 """How a stack runs sequence parallelism (:data:`trainscale.parallel.SEQUENCE_PARALLEL_STYLES`,
-chapter 06): Megatron-LM keeps each rank's ``s/t`` shard of the layer-norm outputs and
+chapter 8): Megatron-LM keeps each rank's ``s/t`` shard of the layer-norm outputs and
 all-gathers it again in backward (a quarter more tensor-parallel bytes); PyTorch's DTensor
 plan keeps the gathered input whole (more memory, no more bytes)."""
 
 CONTEXT_PARALLEL_STYLES = ("ring", "all-gather")
-"""How a stack moves keys and values for context parallelism (chapter 14): around a ring,
+"""How a stack moves keys and values for context parallelism (chapter 10): around a ring,
 each block's transfer under the attention of the one before (Liu et al. 2023), or
 all-gathered before the attention, in the critical path (Llama 3). The same bytes reach
 each rank (the other ranks' blocks, once); what differs is how much hides."""
@@ -111,7 +111,7 @@ class Software:
       fp32 gradients of the log-probabilities and of the logits beside the saved
       log-probabilities: ``8 s b V / t`` bytes more at the start of the last stage's
       backward, measured by torch's memory tracker (``python -m trainscale.train
-      --estimate-memory``, chapter 16);
+      --estimate-memory``, chapter 17);
     * what hides under compute: ``overlap_grad_reduce`` (the data-parallel gradient
       reduction under the backward), ``overlap_param_gather`` (ZeRO's weight all-gather
       under the forward), ``overlap_tp_comm`` (the backward's tensor-parallel

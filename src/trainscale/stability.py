@@ -1,4 +1,4 @@
-"""Small real training runs that go wrong, and the safeguards that keep them right (chapter 10).
+"""Small real training runs that go wrong, and the safeguards that keep them right (chapter 13).
 
 A tiny GPT (:mod:`trainscale.transformer`) learns a synthetic language: text
 drawn from a random Markov chain over a small vocabulary, whose best possible
@@ -44,14 +44,14 @@ from trainscale.schedule import learning_rate
 from trainscale.transformer import GPT, GPTConfig, gpt
 
 CONFIG = GPTConfig(vocab=32, context=32, d_model=32, layers=2, heads=2)
-"""The model of chapter 10's runs: 2 layers of width 32, a vocabulary of 32 tokens."""
+"""The model of chapter 13's runs: 2 layers of width 32, a vocabulary of 32 tokens."""
 
 OPTIMIZERS = ("sgd", "adamw")
 
 LOSS_LIMIT = 100.0
 """Nats per token beyond which a run has diverged and is stopped.
 
-A uniform guess over chapter 10's 32 tokens scores ln 32 = 3.47; a model 100
+A uniform guess over chapter 13's 32 tokens scores ln 32 = 3.47; a model 100
 nats per token worse is confidently, absurdly wrong. A run that gets there
 is blowing up: in float64 it would take many more steps to overflow, and
 those last steps are chaotic (the step at which the loss becomes inf differs

@@ -1,4 +1,4 @@
-"""The book's one GPT-style decoder: its attention, its block, its model (chapters 09-16).
+"""The book's one GPT-style decoder: its attention, its block, its model (chapters 3-17).
 
 The model is the usual stack: token and position embeddings, ``layers`` pre-LN
 blocks (layer norm, causal multi-head self-attention, residual add; layer norm,
@@ -24,24 +24,24 @@ and ``bias=False`` drops the biases of every linear layer, as Llama does.
   ``q @ k^T`` and the weighted sum ``p @ v``) with an explicit softmax, so that
   :class:`torch.utils.flop_counter.FlopCounterMode` sees every FLOP of it (in
   torch 2.13 it counts 0 for the CPU kernel of ``scaled_dot_product_attention``)
-  and autograd keeps the score tables Korthikanti et al. count (chapters 09-11);
+  and autograd keeps the score tables Korthikanti et al. count (chapters 3, 13 and 14);
   ``"sdpa"`` calls ``F.scaled_dot_product_attention``, which may pick a fused
-  kernel that keeps no score table (chapters 09 and 13);
+  kernel that keeps no score table (chapters 3 and 16);
 - ``dropout`` and ``fused_dropout``: dropout on the attention probabilities and
-  on each residual branch, as the CPU runs it or as a GPU kernel does (chapter 09);
+  on each residual branch, as the CPU runs it or as a GPU kernel does (chapter 3);
 - ``recompute``: activation checkpointing, of each block's attention core
-  (``"selective"``, chapter 09) or of each whole block (``"full"``, chapter 13);
+  (``"selective"``, chapter 3) or of each whole block (``"full"``, chapter 16);
 - ``tied``: the head reuses the token embedding's weight;
 - ``qk_norm``: a layer norm on each head's queries and keys before their dot
   product (QK-layernorm, Dehghani et al. 2023; Wortsman et al., arXiv
-  2309.14322), which bounds the attention scores (chapter 10);
+  2309.14322), which bounds the attention scores (chapter 13);
 - ``qkv_layout="by_head"`` stores the fused query-key-value matrix head by head,
   as Megatron-LM does, so that splitting its rows into equal contiguous blocks
-  gives each tensor-parallel rank whole heads (chapter 16). :func:`gpt` draws
+  gives each tensor-parallel rank whole heads (chapter 17). :func:`gpt` draws
   the same weights either way, so both layouts compute the same function.
 
 :func:`attend` is the attention formula itself, which the tensor-parallel
-demonstrations of chapter 06 reuse. :func:`parameter_counts` gives the exact
+demonstrations of chapter 8 reuse. :func:`parameter_counts` gives the exact
 number of parameters of each part without building the model;
 :func:`matmul_weights` the weights that take part in a matrix product for every
 token, which is the ``N`` of ``6N`` FLOPs per token.
@@ -299,7 +299,7 @@ class CausalSelfAttention(nn.Module):
     projection's output width, not from the config: under tensor parallelism a
     rank's share of ``qkv`` produces only its own heads, and the same code runs
     on them. ``attend_fn``, if set, replaces :func:`attend` as ``attend_fn(q, k, v)``
-    (causal): chapter 16 sets it to ring attention over a context-parallel group.
+    (causal): chapter 17 sets it to ring attention over a context-parallel group.
     """
 
     def __init__(self, config: GPTConfig) -> None:
@@ -456,7 +456,7 @@ def gpt(config: GPTConfig, seed: int = 0, dtype: torch.dtype = torch.float32) ->
     residual stream (attention's ``proj`` and the MLP's second layer) scaled
     down by ``sqrt(2 * layers)``, so the residual stream does not grow with depth.
     The weights are drawn in ``dtype``: float32 draws can differ in the last bit
-    between CPUs, float64 draws are the same on every CPU (chapter 10 uses them).
+    between CPUs, float64 draws are the same on every CPU (chapter 13 uses them).
     The global random state is left untouched.
     """
     _check_config(config)
@@ -580,7 +580,7 @@ def matmul_weights(config: GPTConfig) -> int:
 
 
 class TransformerLayer(Block):
-    """One :class:`Block`, set up as Korthikanti et al. count it (chapter 09, which reads it
+    """One :class:`Block`, set up as Korthikanti et al. count it (chapter 3, which reads it
     as :class:`trainscale.checkpointing.TransformerLayer`).
 
     A pre-LN layer, batch first, ``(batch, seq, hidden)``:

@@ -1,4 +1,4 @@
-"""Mixture of experts and expert parallelism (chapter 15), one module per section of the chapter.
+"""Mixture of experts and expert parallelism (chapter 11), one module per section of the chapter.
 
 * :mod:`~trainscale.experts.routing`: the router's top-k and gates, each expert's
   capacity, the assignments dropped, the Switch Transformer's balancing loss and
@@ -93,7 +93,7 @@ _EXPORTS = {
     ),
 }
 """Each submodule and the names it gives this package. They are imported when first read
-(:func:`__getattr__`): the traffic formulas need no torch, so the planner (chapter 13, and
+(:func:`__getattr__`): the traffic formulas need no torch, so the planner (chapter 16, and
 its web page, which has no torch) imports them without the modules that run tensors."""
 
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}

@@ -1,4 +1,4 @@
-"""Dropless mixture of experts: permute, one grouped GEMM, unpermute (chapter 15).
+"""Dropless mixture of experts: permute, one grouped GEMM, unpermute (chapter 11).
 
 A capacity-factor layer gives every expert a buffer of the same size and drops what
 does not fit. A *dropless* layer (MegaBlocks, Gale et al. 2022, arXiv 2211.15841)

@@ -1,5 +1,5 @@
 """Expert parallelism beside tensor, pipeline and data parallelism: which group reduces which
-gradient, and the model state each GPU holds (chapter 15).
+gradient, and the model state each GPU holds (chapter 11).
 
 Megatron-Core builds two grids over the same ``world`` GPUs ("MoE parallel folding",
 Liu et al. 2025, arXiv 2504.14960; ``megatron/core/parallel_state.py``): the dense layers

@@ -1,5 +1,5 @@
 """The mixture-of-experts layer, an independent reference to check it against, its inputs, and
-the balancing loss at work (chapter 15).
+the balancing loss at work (chapter 11).
 
 :class:`MoELayer` is a router and ``E`` GELU MLPs, routed by
 :func:`trainscale.experts.routing.route`. :func:`per_token_reference` writes the layer a

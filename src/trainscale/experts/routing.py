@@ -1,4 +1,4 @@
-"""Routing a mixture of experts: top-k, gates, capacity, drops and the balancing loss (chapter 15).
+"""Routing a mixture of experts: top-k, gates, capacity, drops and the balancing loss (chapter 11).
 
 A mixture-of-experts (MoE) layer replaces one MLP with ``E`` of them, the
 *experts*, and a *router*: a linear map from each token to ``E`` scores, a

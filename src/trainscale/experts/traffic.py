@@ -1,5 +1,5 @@
 """Expert parallelism's traffic: all-to-all bytes, their time against the experts' compute,
-and the network copies of a dispatch that sends each token once per node (chapter 15).
+and the network copies of a dispatch that sends each token once per node (chapter 11).
 
 Expert parallelism (EP) puts the experts on different ranks; each token travels
 to its experts' ranks and back, two all-to-alls per layer in forward and two in

@@ -1,4 +1,4 @@
-"""Figures of chapter 10's noise scale: how it grows during a run, and what it predicts."""
+"""Figures of chapter 13's noise scale: how it grows during a run, and what it predicts."""
 
 from __future__ import annotations
 

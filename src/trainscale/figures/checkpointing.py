@@ -1,4 +1,4 @@
-"""Figures of chapter 9: saved activations over a step, one transformer layer's bytes, and
+"""Figures of chapter 3: saved activations over a step, one transformer layer's bytes, and
 the measured price of recomputation."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Figures of chapter 4: the four collectives, the ring all-reduce step by step,
+"""Figures of chapter 6: the four collectives, the ring all-reduce step by step,
 measured all-reduce bandwidth and its latency-bandwidth fit, and when the gradient
 all-reduce hides under backward."""
 

@@ -1,4 +1,4 @@
-"""Figures of chapter 11: where a transformer's FLOPs go, and the cost calculator."""
+"""Figures of chapter 14: where a transformer's FLOPs go, and the cost calculator."""
 
 from __future__ import annotations
 

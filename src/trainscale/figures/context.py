@@ -1,4 +1,4 @@
-"""Chapter 14's figures: the ring's steps, attention work per rank, traffic against length."""
+"""Chapter 10's figures: the ring's steps, attention work per rank, traffic against length."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Figures of chapter 3: how data parallelism cuts a batch, what averaging gives, and when
+"""Figures of chapter 5: how data parallelism cuts a batch, what averaging gives, and when
 DDP's gradient buckets are all-reduced."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Figures of chapter 12: measured matmul rates, step times and MFU, and a loader timeline."""
+"""Figures of chapter 15: measured matmul rates, step times and MFU, and a loader timeline."""
 
 from __future__ import annotations
 

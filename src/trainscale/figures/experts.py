@@ -1,4 +1,4 @@
-"""Figures of chapter 15: how many tokens each expert gets, and the all-to-all between ranks."""
+"""Figures of chapter 11: how many tokens each expert gets, and the all-to-all between ranks."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Figures of chapter 7: pipeline timelines and the bubble against the number of micro-batches."""
+"""Figures of chapter 9: pipeline timelines and the bubble against the number of micro-batches."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Figures of chapter 13: the best layouts the planner finds, and why the others fail."""
+"""Figures of chapter 16: the best layouts the planner finds, and why the others fail."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Figures of chapter 8: number formats, gradients against fp16's range, loss scaling, fp8 casts."""
+"""Figures of chapter 12: number formats, gradients against fp16's range, loss scaling, fp8."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Figures of chapter 13's failures section: what each checkpoint interval costs, and a
+"""Figures of chapter 16's failures section: what each checkpoint interval costs, and a
 simulated run that checks the formula."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Figures of chapter 10: the learning-rate schedule, training runs that go wrong, weight decay."""
+"""Figures of chapter 13: the learning-rate schedule, training runs that go wrong, weight decay."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Figures of chapter 5: model state per GPU at each ZeRO stage, one FSDP step, the
+"""Figures of chapter 7: model state per GPU at each ZeRO stage, one FSDP step, the
 bytes a rank holds at each moment of it, and traffic under gradient accumulation."""
 
 from __future__ import annotations

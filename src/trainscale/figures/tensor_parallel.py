@@ -1,4 +1,4 @@
-"""Figures of chapter 6: Megatron's split MLP, and where a layer's time goes."""
+"""Figures of chapter 8: Megatron's split MLP, and where a layer's time goes."""
 
 from __future__ import annotations
 

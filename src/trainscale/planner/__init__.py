@@ -1,4 +1,4 @@
-"""The layout planner of chapter 13: which TP x PP x DP layout to start a large run with.
+"""The layout planner of chapter 16: which TP x PP x DP layout to start a large run with.
 
 Given a model, a cluster and a global batch, :func:`plan` tries every way of
 splitting the GPUs into tensor (TP), pipeline (PP) and data (DP) parallel groups,
@@ -15,7 +15,7 @@ uneven expert loads (routing is taken as even), and memory the estimate does not
 which only :data:`USABLE_MEMORY` of each GPU is counted as
 available.
 
-The package follows chapter 13's sections; each module imports only those above it:
+The package follows chapter 16's sections; each module imports only those above it:
 
 * :mod:`~trainscale.planner.inputs`: the model, the cluster, the worked examples (the
   software they train with is :class:`trainscale.software.Software`, re-exported here
@@ -34,7 +34,7 @@ The package follows chapter 13's sections; each module imports only those above 
   ``__main__``: ``python -m trainscale.planner``, which prints the best layouts and the
   ``torchrun`` command that trains one.
 
-Everything chapter 13, the tests and the other modules use is re-exported here, so
+Everything chapter 16, the tests and the other modules use is re-exported here, so
 ``from trainscale import planner; planner.plan(...)`` needs no submodule.
 """
 
@@ -141,7 +141,7 @@ from trainscale.software import (
     Software,
 )
 
-__all__ = [  # this module's public names, and those it re-exports for chapter 13
+__all__ = [  # this module's public names, and those it re-exports for chapter 16
     "A100_NODE",
     "ACTIVATION_PARTS",
     "CALIBRATION_TARGETS",

@@ -70,7 +70,7 @@ def presets() -> dict[str, Preset]:
     example = planner.EXAMPLE_CLUSTER
     found = {
         "70b": Preset(
-            "the book's 70B worked example (chapter 13)",
+            "the book's 70B worked example (chapter 16)",
             planner.EXAMPLE_MODEL,
             DEFAULT_GPU,
             example.nodes,
@@ -125,7 +125,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m trainscale.planner",
         description=(
-            "Rank the TP x PP x DP layouts of a model on a cluster (chapter 13's planner)"
+            "Rank the TP x PP x DP layouts of a model on a cluster (chapter 16's planner)"
             " and print the torchrun command that trains the best one."
         ),
     )

@@ -21,7 +21,7 @@ share re-read off Table 4 at each setting (so the span is narrow near Table 4's 
 wider away from it). And the model's own error: the span is widened on each side by
 :data:`MODEL_MARGIN`, the split-conformal margin (:func:`conformal_margin`) that brings 90 %
 of the A100 runs inside it. On the A100 runs the coverage is then about 90 % by
-construction; on the held-out runs it is a prediction, and chapter 13's appendix prints how
+construction; on the held-out runs it is a prediction, and chapter 16's appendix prints how
 it fares.
 """
 
@@ -321,7 +321,7 @@ def restated_run(use: PublishedUtilisation, base: PublishedRun, **layout) -> Pub
     """A published utilisation (:data:`trainscale.compute.PUBLISHED_UTILISATION`) as a run
     :func:`estimate_run` can take: ``base``'s model and GPU type, ``use``'s name and GPU
     count, the fields in ``layout`` replaced (TP, DP, batch, ...), and its step time from
-    the utilisation restated in 6N (chapter 12): the step's ``6 N`` FLOPs over the GPUs'
+    the utilisation restated in 6N (chapter 15): the step's ``6 N`` FLOPs over the GPUs'
     peak times that utilisation."""
     if not isinstance(use, PublishedUtilisation):
         raise ValueError(f"use must be a compute.PublishedUtilisation, got {type(use).__name__}")

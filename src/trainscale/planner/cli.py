@@ -1,4 +1,4 @@
-"""``python -m trainscale.planner``: chapter 13's layout planner on the command line.
+"""``python -m trainscale.planner``: chapter 16's layout planner on the command line.
 
 Give it a model, a cluster and a global batch; it prints the planner's best
 TP x PP x DP layouts (:func:`trainscale.planner.plan`, one line per shape, with
@@ -42,7 +42,7 @@ change one field of it. ``--max-tp N`` and ``--zero-stages Z[,Z...]`` narrow the
 ``--json`` prints the same plan as data (:func:`plan_json`): the ranked layouts with their
 MFU range, memory and time parts, the verdict counts, the fastest rejected layouts with
 their reasons, the ``torchrun`` command, and the text report's lines; with
-``--list-models``, the presets, GPUs and software stacks (:func:`choices`). Chapter 13's
+``--list-models``, the presets, GPUs and software stacks (:func:`choices`). Chapter 16's
 web page runs the same function under Pyodide.
 """
 
@@ -232,7 +232,7 @@ def _runnable(
         flags = train_flags(layout, request.model, request.cluster.peak_flops)
         try:
             reason = refusal(flags, request.cluster.gpus)
-        except ImportError:  # no torch (chapter 13's web page): the command goes unchecked
+        except ImportError:  # no torch (chapter 16's web page): the command goes unchecked
             return place, [*notes, UNCHECKED.format(place=place + 1)], False
         if reason is None:
             return place, notes, True

@@ -96,7 +96,7 @@ def train_flags(layout: planner.Layout, model: planner.Model, peak_flops: float)
     flags = [
         *("--tp", str(layout.tp), "--pp", str(layout.pp)),
         *_data_parallel_flags(layout.zero_stage, layout.dp),
-        *(["--cp", str(layout.cp)] if layout.cp > 1 else []),  # ring attention, chapter 14
+        *(["--cp", str(layout.cp)] if layout.cp > 1 else []),  # ring attention, chapter 10
         *_schedule_flags(layout.pp, layout.virtual_stages),
         *("--micro-batch", str(layout.micro_batch), "--grad-accum", str(layout.accumulation)),
         *_recompute_flags(layout.recompute),
@@ -181,7 +181,7 @@ chunk (at least 2), and twice as many micro-batches per step as stages."""
 def laptop_flags(layout: planner.Layout, ranks: int, peak_flops: float | None = None) -> list[str]:
     """``python -m trainscale.train``'s flags for ``layout`` scaled down to ``ranks`` CPU
     processes (:func:`laptop_shape`): a tiny model of the same kind, fp32, few steps;
-    with ``peak_flops`` (one process's peak FLOP/s, e.g. measured as in chapter 12) the
+    with ``peak_flops`` (one process's peak FLOP/s, e.g. measured as in chapter 15) the
     training log reports MFU."""
     degrees = laptop_degrees(layout, ranks)
     tp, cp, pp, dp = (degrees[name] for name in ("tp", "cp", "pp", "dp"))
@@ -263,7 +263,7 @@ def _shape_note(model: planner.Model) -> list[str]:
         return []
     return [
         f"note: trainscale.train builds a dense decoder, not this model's {model.experts}"
-        " experts (chapter 15; the capstone has none)",
+        " experts (chapter 11; the capstone has none)",
         "",
     ]
 

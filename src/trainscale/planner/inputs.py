@@ -1,4 +1,4 @@
-"""What the planner is given: a model, a cluster, and the worked examples of chapter 13.
+"""What the planner is given: a model, a cluster, and the worked examples of chapter 16.
 
 :class:`Model` (a dense transformer or a mixture of experts) and :class:`Cluster` (nodes
 of GPUs and the links between them); :func:`node_settings` reads one node of a GPU type
@@ -58,7 +58,7 @@ class Model:
     here is this model's own and wins (Llama 3's layers have no dropout on any stack).
     :meth:`under` fills them in.
 
-    A mixture of experts (chapter 15): ``experts`` MLPs of width ``expert_ffn_hidden``
+    A mixture of experts (chapter 11): ``experts`` MLPs of width ``expert_ffn_hidden``
     (``None``: ``ffn_hidden``) in every layer, ``top_k`` of them per token; ``params``
     counts them all, :attr:`active_params` what one token uses. Its activations are
     counted as a dense MLP ``top_k`` experts wide (each token's copies pass through
@@ -141,7 +141,7 @@ class Model:
     def active_params(self) -> int:
         """Parameters a token goes through: all of them for a dense model; for a mixture
         of experts only ``top_k`` of the ``experts`` of each layer (the ``N`` of the
-        ``6 N`` FLOPs per token, chapter 01, and of MFU)."""
+        ``6 N`` FLOPs per token, chapter 1, and of MFU)."""
         if self.experts is None:
             return self.params
         unused = self.expert_params_per_layer // self.experts * (self.experts - self.top_k)
@@ -256,7 +256,7 @@ class Cluster:
 
 
 # ---------------------------------------------------------------------------
-# The worked example of chapter 13, and published runs to compare with.
+# The worked example of chapter 16, and published runs to compare with.
 
 
 EXAMPLE_MODEL = Model(params=70e9, layers=80, hidden=8192, heads=64, seq_len=4096, vocab=32000)
@@ -280,7 +280,7 @@ MOE_MODEL = Model(
 )
 """Mixtral 8x7B's shape (Jiang et al. 2024, arXiv 2401.04088; bib key jiang2024mixtral):
 8 SwiGLU experts of width 14,336 per layer, 2 chosen per token, 46.7B parameters of
-which 12.9B are active: the example where expert parallelism pays (chapters 13 and 15)."""
+which 12.9B are active: the example where expert parallelism pays (chapters 16 and 11)."""
 
 
 def shape_params(
@@ -333,7 +333,7 @@ LONG_CONTEXT_MODEL = dataclasses.replace(LLAMA3["8B"], seq_len=131_072)
 """Llama 3 8B's shape (Meta's model card and the paper's Table 3, arXiv 2407.21783:
 8.03B parameters, 32 layers, width 4,096, 32 heads and 8 key-value heads, SwiGLU of
 width 14,336, a 128,256-token vocabulary, no dropout) at 131,072 tokens per sequence:
-the example where context parallelism pays (chapters 13 and 14)."""
+the example where context parallelism pays (chapters 16 and 10)."""
 
 
 def node_settings(gpu: str, inter_node_bandwidth: float) -> dict[str, object]:

@@ -181,9 +181,9 @@ def _layer_times_at(
     forward, two thirds backward. ``share`` and ``overhead`` go to :func:`gemm_seconds`.
 
     With context parallelism over ``c`` ranks a GPU holds ``s / c`` tokens and their
-    queries meet all ``s`` keys (ring attention, chapter 14). A mixture of experts
+    queries meet all ``s`` keys (ring attention, chapter 10). A mixture of experts
     replaces the MLP by its router (``h x E``) and the ``E / ep`` local experts, run as
-    one batched GEMM of ``b s k ep / (c E)`` rows each (even routing, chapter 15).
+    one batched GEMM of ``b s k ep / (c E)`` rows each (even routing, chapter 11).
     """
     s, h, a = model.seq_len, model.hidden, model.heads
     d, kv = h // a, model.kv_heads or a

@@ -3,9 +3,9 @@
 * model state: 16 bytes per parameter (:data:`trainscale.memory.BYTES_PER_PARAM`),
   for the parameters of one pipeline stage divided over the TP group, with
   ZeRO sharding over the DP group exactly as :func:`trainscale.memory.model_state_groups`
-  does it (chapters 02 and 05);
+  does it (chapters 2 and 7);
 * activations per Korthikanti et al. (arXiv 2205.05198; bib key korthikanti2022reducing),
-  :func:`trainscale.checkpointing.layer_activation_bytes` (chapter 09), shaped by the
+  :func:`trainscale.checkpointing.layer_activation_bytes` (chapter 3), shaped by the
   model (:attr:`Model.layer_shape`: grouped-query attention's smaller keys and
   values, the MLP's width and gating, a fused attention kernel that keeps no
   ``s x s`` table, no dropout masks where there is no dropout), times the layers
@@ -102,7 +102,7 @@ def model_state_per_gpu(
     shards them over the ranks that hold the same weights with
     :func:`trainscale.memory.model_state_groups`: the DP ranks and the
     ``context_parallel`` ranks, which split the tokens, not the weights
-    (:func:`trainscale.context.gradient_reduce_ranks`, chapter 14).
+    (:func:`trainscale.context.gradient_reduce_ranks`, chapter 10).
     """
     per_gpu = stage_params(model, tp, pp, virtual_stages)
     return dict(_state(per_gpu, gradient_reduce_ranks(dp, context_parallel), zero_stage))

@@ -218,12 +218,12 @@ def context_parallel_degrees(
 ) -> tuple[int, ...]:
     """The CP degrees :func:`plan` tries by default: 1, and each power of two ``c`` up to
     the GPU count that splits the sequence into ``2 c`` equal chunks (the zig-zag layout
-    that balances the causal mask, chapter 14) of at least :data:`CP_MIN_LOCAL_TOKENS`
+    that balances the causal mask, chapter 10) of at least :data:`CP_MIN_LOCAL_TOKENS`
     tokens per rank, on ``software`` (as :func:`plan` takes it). CP needs a fused attention
     kernel (ring attention keeps the online softmax's running sums, never the ``s x s``
     scores). Whether a degree pays is the cost model's to say
     (:func:`trainscale.planner.traffic._context_parallel_seconds` against the layer it
-    splits); chapter 14's thresholds (:func:`trainscale.context.cp_beats_tp_local_tokens`,
+    splits); chapter 10's thresholds (:func:`trainscale.context.cp_beats_tp_local_tokens`,
     :func:`trainscale.context.cp_hiding_threshold_tokens`) explain the ranking, they do
     not gate it.
     """

@@ -2,12 +2,12 @@
 
 Step time (:func:`evaluate` lists every term), two models
     The simple one (``efficiency=`` a number, e.g. :data:`KERNEL_EFFICIENCY`), the
-    one chapter 13 builds by hand: compute at ``peak x``
-    :data:`KERNEL_EFFICIENCY` for the ``6 N`` FLOPs per token (chapter 01), plus
-    recomputation (chapter 09); tensor-parallel all-reduces, never hidden (ring cost
-    from chapter 04); pipeline sends; the pipeline bubble (chapter 07,
+    one chapter 16 builds by hand: compute at ``peak x``
+    :data:`KERNEL_EFFICIENCY` for the ``6 N`` FLOPs per token (chapter 1), plus
+    recomputation (chapter 3); tensor-parallel all-reduces, never hidden (ring cost
+    from chapter 6); pipeline sends; the pipeline bubble (chapter 9,
     :func:`trainscale.pipeline.bubble`); and data-parallel traffic (the bytes of
-    chapter 05's ZeRO stages), which hides under one micro-batch's compute and is
+    chapter 7's ZeRO stages), which hides under one micro-batch's compute and is
     exposed beyond it.
 
     The calibrated one (``efficiency=None``, the default of :func:`plan` and
@@ -31,7 +31,7 @@ Step time (:func:`evaluate` lists every term), two models
       GPUs by the ratio of their fastest measured GEMMs
       (:attr:`Cluster.max_matmul_share`);
     * element-wise kernels at the memory bandwidth: :data:`ELEMENTWISE_TRAFFIC` x
-      the bytes a layer keeps (Korthikanti et al.'s count, chapter 09);
+      the bytes a layer keeps (Korthikanti et al.'s count, chapter 3);
     * overlap achieved (:data:`OVERLAP`): the share of the data-parallel traffic, and
       of the backward's tensor-parallel collectives, that hides under compute (for a
       stack whose code shows it, that share: :meth:`trainscale.software.Software.overlap_shares`);
@@ -60,7 +60,7 @@ Step time (:func:`evaluate` lists every term), two models
     * the interleaving depth, searched per layout by :func:`estimate_run`
       (:data:`INTERLEAVING`), with its bubble and its extra activation memory.
 
-    Then ``MFU = 6 N x tokens per step / (step time x GPUs x peak)`` (chapter 12).
+    Then ``MFU = 6 N x tokens per step / (step time x GPUs x peak)`` (chapter 15).
 
 Placement follows Megatron-LM's rank order: TP ranks are neighbours (inside a
 node when ``gpus_per_node`` is a multiple of TP), then DP, then PP. Each link is
@@ -226,7 +226,7 @@ def _evaluate(problem: _Problem, shape: _Shape, opt: _Options) -> Layout:
     tensor_overlap = overlap if documented[1] is None else documented[1]
 
     # Tensor parallelism: the layer's collectives of s x b x h 16-bit values per
-    # micro-batch (chapter 06's count, trainscale.parallel.layer_collectives): 2
+    # micro-batch (chapter 8's count, trainscale.parallel.layer_collectives): 2
     # all-reduces forward and 2 backward, or their halves with sequence parallelism,
     # plus 2 all-gathers in backward where the stack gathers the input again
     # (Megatron-LM); the forward's again when it is recomputed.
@@ -403,7 +403,7 @@ def evaluate(
       bandwidth.
 
     Then the pipeline idles :func:`trainscale.pipeline.bubble`, ``(p-1)/(v m + p - 1)``,
-    of its time (chapter 07): ``(pp - 1) / virtual_stages`` micro-batch slots; with
+    of its time (chapter 9): ``(pp - 1) / virtual_stages`` micro-batch slots; with
     ``schedule="zb-h1"`` (:data:`SCHEDULES`) :func:`trainscale.pipeline.bubble_zb_h1`.
     The verdict is ``out of memory`` beyond ``usable_memory`` of the GPU, ``TP across nodes``
     when a TP group spans nodes, ``bubble too large`` beyond ``max_bubble``, and

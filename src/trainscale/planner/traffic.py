@@ -14,14 +14,14 @@ each tensor-parallel all-reduce into an all-gather and a reduce-scatter that mov
 same bytes, so the traffic is priced the same; what it changes is the activation
 memory (the ``10 s b h`` outside the split blocks are split too).
 
-Context parallelism (chapter 14, :mod:`trainscale.context`): ``CP`` ranks each hold
+Context parallelism (chapter 10, :mod:`trainscale.context`): ``CP`` ranks each hold
 ``s / CP`` tokens of every sequence, so every activation, GEMM row and pipeline send
 shrinks by ``CP``, while each rank's queries still meet all ``s`` keys; the keys and
 values travel a ring (:func:`trainscale.context.ring_bytes_per_rank`, Liu et al. 2023),
 :data:`OVERLAP` of it hidden under the attention it feeds
 (:func:`_context_parallel_seconds`); the DP and CP ranks reduce the gradients
-together, as Megatron-core does. Tried by default only where chapter 14's thresholds
-say it helps (:func:`context_parallel_degrees`). Expert parallelism (chapter 15,
+together, as Megatron-core does. Tried by default only where chapter 10's thresholds
+say it helps (:func:`context_parallel_degrees`). Expert parallelism (chapter 11,
 :mod:`trainscale.experts`): a mixture of experts (:attr:`Model.experts`) spreads its
 experts over ``EP`` of the DP ranks, whose all-to-alls
 (:func:`trainscale.experts.all_to_all_bytes_per_rank`, four per layer) are charged in

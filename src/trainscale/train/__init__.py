@@ -1,4 +1,4 @@
-"""The capstone of chapters 13 and 16: a small GPT trained on any layout, restartably.
+"""The capstone of chapters 16 and 17: a small GPT trained on any layout, restartably.
 
 The model is the book's decoder (:mod:`trainscale.transformer`) with fused
 attention and an untied head: a tiny GPT-2 by default, or Llama-shaped
@@ -16,12 +16,12 @@ book's techniques together, composed as torchtitan composes them, over one
   ``torch.distributed.pipelining`` with ``Schedule1F1B`` or
   ``ScheduleInterleaved1F1B`` (``--pp-schedule``, ``--virtual-stages``);
 * tensor parallelism with sequence parallelism (``--tp``) on each stage's
-  blocks (DTensor ``parallelize_module``, chapter 06's plan), the embedding and
+  blocks (DTensor ``parallelize_module``, chapter 8's plan), the embedding and
   head split by vocabulary and the loss taken on split logits (``loss_parallel``),
   then recomputation (``--recompute selective``, torch's selective activation
   checkpointing, or ``full``);
 * context parallelism (``--cp``): each sequence split zig-zag over the ``cp``
-  ranks, attention computed as ring attention (chapter 14,
+  ranks, attention computed as ring attention (chapter 10,
   :func:`trainscale.workers.context.ring_attention`); on GPUs, torch's
   ``context_parallel`` (untested here);
 * FSDP2's ``fully_shard`` over the data-parallel ranks (``--dp-shard``, and the

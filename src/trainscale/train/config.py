@@ -46,7 +46,7 @@ def default_grad_accum(pp: int | None) -> int:
     """``--grad-accum``'s default: 1 micro-batch per step without a pipeline; with
     ``--pp P`` > 1, ``P``, the fewest either schedule takes (1F1B needs at least one
     micro-batch per stage, the interleaved schedule a multiple of the stages). More
-    micro-batches shrink the pipeline's bubble (chapter 7) at the price of a larger
+    micro-batches shrink the pipeline's bubble (chapter 9) at the price of a larger
     global batch."""
     stages = 1 if pp is None else _checks.count("pp", pp, minimum=1)
     return stages

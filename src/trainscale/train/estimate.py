@@ -176,7 +176,7 @@ def fake_world(layout: Layout, pp_rank: int) -> Iterator[DeviceMesh]:
 
 
 def _context_parallel_as_on_gpus(part: torch.nn.Module, mesh: DeviceMesh, seq_len: int) -> None:
-    """This rank's zig-zag share of each sequence (chapter 14), its positions given to the
+    """This rank's zig-zag share of each sequence (chapter 10), its positions given to the
     rotary embedding, and attention left to the fused kernel on the local tokens: what
     torch's ``context_parallel`` keeps on a GPU, where each step of its ring runs the
     flash kernel on the local queries and one rank's keys and values, and backward needs

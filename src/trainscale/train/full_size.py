@@ -1,4 +1,4 @@
-"""Chapter 16's checks at full size: the planner's memory beside torch's tracker for three
+"""Chapter 17's checks at full size: the planner's memory beside torch's tracker for three
 real layouts, each measured by :func:`trainscale.train.estimate.estimate_memory` on a fake
 world of its full size.
 

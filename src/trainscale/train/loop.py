@@ -254,7 +254,7 @@ def train(config: TrainConfig, rank: int, world_size: int, device: torch.device)
     }
     state = TrainState(built.parts, built.optimizers, progress)
     every_param = sum(parameter_counts(model_shape).values())
-    # The logged MFU counts 6N FLOPs a token with the planner's N (chapter 13,
+    # The logged MFU counts 6N FLOPs a token with the planner's N (chapter 16,
     # planner.Model.active_params of a dense model): every parameter, embeddings too.
     params = every_param
     ranks = f"{world_size} rank{'s' * (world_size != 1)} ({dist.get_backend()}, {device.type})"

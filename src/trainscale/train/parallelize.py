@@ -37,7 +37,7 @@ from trainscale.workers.tensor_parallel import block_plan
 
 def tensor_parallel_plan(config: GPTConfig) -> dict[str, ParallelStyle]:
     """Megatron-style tensor parallelism of one block, with sequence parallelism: chapter
-    06's plan (:func:`trainscale.workers.tensor_parallel.block_plan`) on the names of the
+    8's plan (:func:`trainscale.workers.tensor_parallel.block_plan`) on the names of the
     book's decoder block.
 
     Between the matrix products the block's activations are split by sequence
@@ -93,7 +93,7 @@ def apply_tensor_parallel(part: Stage, tp_mesh: DeviceMesh) -> None:
 
 
 def apply_context_parallel(part: Stage, mesh: DeviceMesh, seq_len: int) -> None:
-    """Split each sequence of ``part`` over the mesh's ``cp`` ranks, zig-zag (chapter 14,
+    """Split each sequence of ``part`` over the mesh's ``cp`` ranks, zig-zag (chapter 10,
     :func:`trainscale.context.token_positions`: of ``2 cp`` chunks, rank ``c`` holds
     chunks ``c`` and ``2 cp - 1 - c``, so every rank does the same causal work), and
     make every block's attention ring attention over the ``cp`` group

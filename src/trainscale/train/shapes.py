@@ -132,7 +132,7 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
 }
 """``--model``'s shapes, under the planner's names (``python -m trainscale.planner
 --model llama-3-70b``): Llama 3 8B, 70B and 405B. The planner's ``mixtral-8x7b`` has
-experts, which the capstone does not (chapter 15 runs them)."""
+experts, which the capstone does not (chapter 11 runs them)."""
 
 SHAPE_FLAGS = (*GPT_SHAPE, "kv_heads", "ffn")
 """The fields that ``--model`` sets and a shape flag given with it overrides."""

@@ -1,4 +1,4 @@
-"""Collectives on real processes (chapter 04).
+"""Collectives on real processes (chapter 6).
 
 * :func:`four_collectives`: all-reduce, reduce-scatter, all-gather and
   broadcast, each rank's input and output;
@@ -284,7 +284,7 @@ def worker(
     bandwidth_sizes: Sequence[int] = BANDWIDTH_SIZES,
     loopback_tensor_bytes: int = 64 * 2**20,
 ) -> dict[str, object]:
-    """Every check of chapter 04 on this rank, in one run (starting processes is slow).
+    """Every check of chapter 6 on this rank, in one run (starting processes is slow).
 
     Returns ``{"collectives": ..., "ring": ..., "bandwidth": ..., "loopback": ...}``
     from :func:`four_collectives`, :func:`check_ring`, :func:`measure_bandwidth`

@@ -1,4 +1,4 @@
-"""Context parallelism on real processes (chapter 14).
+"""Context parallelism on real processes (chapter 10).
 
 Two ways to run causal attention on a sequence split over the ranks of a process
 group, each a differentiable function of tensors shaped
@@ -213,7 +213,7 @@ def _block_gradients(
 
 
 Layout = str | Callable[[int, int, int], Sequence[int]]
-"""A layout's name, or a function ``(seq_len, ranks, rank) -> positions`` (chapter 14's
+"""A layout's name, or a function ``(seq_len, ranks, rank) -> positions`` (chapter 10's
 exercise: the reader's own zig-zag split)."""
 
 

@@ -1,4 +1,4 @@
-"""Chapter 14's exercise: check a reader's zig-zag split, by itself and on real ranks.
+"""Chapter 10's exercise: check a reader's zig-zag split, by itself and on real ranks.
 
 The reader writes ``positions(seq_len, ranks, rank) -> list[int]``: the positions in
 the sequence of the tokens context-parallel rank ``rank`` of ``ranks`` holds, in the
@@ -9,8 +9,8 @@ would, and says what is wrong:
    ``layout="zigzag"`` for several lengths and rank counts: each rank holds
    ``seq_len / ranks`` positions, every position is held once, every rank sees the
    same number of visible (query, key) pairs under the causal mask, and the order
-   is chunk ``r`` then chunk ``2c - 1 - r`` (for ``c`` ranks, as chapter 14 writes it);
-2. **on real ranks**: :func:`worker` runs chapter 14's ring attention
+   is chunk ``r`` then chunk ``2c - 1 - r`` (for ``c`` ranks, as chapter 10 writes it);
+2. **on real ranks**: :func:`worker` runs chapter 10's ring attention
    (:func:`trainscale.workers.context.ring_attention`) on gloo ranks with the
    reader's positions, forward and backward, and the parent compares every rank's
    output and gradients with causal attention on the whole sequence in one process
@@ -164,7 +164,7 @@ def worker(
     head_dim: int = 8,
     seed: int = 0,
 ) -> dict:
-    """Chapter 14's ring attention on this rank's tokens at the positions ``source`` gives.
+    """Chapter 10's ring attention on this rank's tokens at the positions ``source`` gives.
 
     ``source`` defines the function ``name``, ``positions(seq_len, ranks, rank)``;
     every rank runs it for every rank (the ring needs each sender's positions for

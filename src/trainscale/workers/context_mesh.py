@@ -1,4 +1,4 @@
-"""Context parallelism inside a two-dimensional mesh, on real processes (chapter 14).
+"""Context parallelism inside a two-dimensional mesh, on real processes (chapter 10).
 
 Two runs on a ``DeviceMesh`` of four ranks:
 

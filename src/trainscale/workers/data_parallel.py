@@ -1,4 +1,4 @@
-"""Data parallelism on real processes (chapter 03).
+"""Data parallelism on real processes (chapter 5).
 
 :func:`worker` runs every check of the chapter on one rank of a
 ``torch.distributed`` job: PyTorch's ``DistributedDataParallel`` (DDP) on a
@@ -585,7 +585,7 @@ def check_average_gradients(
 
 
 def worker(rank: int, world_size: int, batch: int = 32, unequal_batch: int = 10) -> dict:
-    """Every check of chapter 03 on this rank; a dict of plain results.
+    """Every check of chapter 5 on this rank; a dict of plain results.
 
     ``batch`` must be divisible by ``world_size`` for the equal-slice checks
     (and split into 4 micro-batches per rank); ``unequal_batch`` should not be,

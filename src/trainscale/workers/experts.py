@@ -1,4 +1,4 @@
-"""Expert parallelism on real processes (chapter 15).
+"""Expert parallelism on real processes (chapter 11).
 
 :func:`worker` runs one mixture-of-experts layer (:class:`trainscale.experts.MoELayer`)
 with its experts split over the ranks: rank ``r`` runs experts

@@ -1,4 +1,4 @@
-"""Chapter 16's exercise: check a reader's mesh groups, by themselves and on real ranks.
+"""Chapter 17's exercise: check a reader's mesh groups, by themselves and on real ranks.
 
 The reader writes ``mesh_groups(sizes, rank) -> dict[str, list[int]]``: for a device
 mesh of shape ``sizes``, in the order of :data:`DIMS` (torchtitan's, outermost first),

@@ -1,4 +1,4 @@
-"""Pipeline parallelism on real processes (chapter 07).
+"""Pipeline parallelism on real processes (chapter 9).
 
 Rank ``s`` of ``K`` holds stage ``s``: two consecutive blocks of the book's
 reference model (:func:`trainscale.memory.mlp_stack`, ``2K`` blocks). PyTorch's
@@ -466,7 +466,7 @@ def chapter_worker(
     zero_bubble_runs: Sequence = (),
     hops: int = 100,
 ) -> tuple[list[dict], list[dict], float | None]:
-    """Chapter 07's real run, in one start of the ranks: :func:`worker` with the
+    """Chapter 9's real run, in one start of the ranks: :func:`worker` with the
     arguments ``runs``, :func:`zero_bubble_worker` with ``zero_bubble_runs``, then
     :func:`hop_latency` with ``hops``."""
     return (

@@ -1,4 +1,4 @@
-"""FSDP2 on real processes (chapter 05).
+"""FSDP2 on real processes (chapter 7).
 
 :func:`worker` shards the chapter's model with ``torch.distributed.fsdp.fully_shard``
 (FSDP2, PyTorch's ZeRO-3), runs one training step with Adam on each rank's slice

@@ -1,4 +1,4 @@
-"""Tensor parallelism on real processes (chapter 06).
+"""Tensor parallelism on real processes (chapter 8).
 
 :func:`worker` splits one MLP and one multi-head attention block over the ranks
 of a ``torch.distributed`` job in two ways and returns what each computed, for
