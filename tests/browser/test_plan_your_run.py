@@ -135,20 +135,22 @@ def _same(page: object, here: object, where: str = "") -> None:
 
 def _same_plan(page: dict, here: dict, name: str) -> None:
     """The page's plan is the command line's (:func:`_same`), but for trainscale.train's
-    own checks, which need torch: on the page the command is layout 1's, unchecked, with a
-    note saying so; the command line runs them."""
+    own argument checks, which need torch: on the page the command is the first layout
+    the capstone's stack holds (that check needs no torch), unchecked, with a note
+    saying so; the command line runs the argument checks too."""
     page, here = json.loads(json.dumps(page)), json.loads(json.dumps(here))
-    assert page["command"]["layout"] == 1 and page["command"].pop("checked") is False
-    assert page["notes"][-1] == cli.UNCHECKED.format(place=1)
-    if here["notes"]:  # the capstone refuses layout 1: the page cannot know (see above)
+    place = page["command"]["layout"]
+    unchecked = cli.UNCHECKED.format(place=place)
+    assert page["command"].pop("checked") is False
+    assert page["notes"][-1] == unchecked
+    if here["command"]["layout"] != place:  # the capstone refuses it: the page cannot know
         for key in ("command", "notes", "text", "fits"):
             page.pop(key), here.pop(key, None)
     else:
-        assert page.pop("notes") == [cli.UNCHECKED.format(place=1)]
-        here.pop("notes"), here["command"].pop("checked")
-        at = page["text"].index(f"note: {cli.UNCHECKED.format(place=1)}")
-        assert page["text"][at + 1] == ""
-        page["text"][at : at + 2] = []
+        assert page.pop("notes")[:-1] == here["notes"]
+        here["command"].pop("checked")
+        at = page["text"].index(f"note: {unchecked}")
+        page["text"][at : at + (1 if here.pop("notes") else 2)] = []  # and its blank line
     _same(page, here, name)
 
 
