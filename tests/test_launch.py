@@ -86,14 +86,14 @@ def test_the_launcher_returns_the_jobs_exit_status(monkeypatch, failures, status
 # --------------------------------------------------------------------------- what the book prints
 
 RUN_IT_YOURSELF = {
-    "03": "trainscale.workers.data_parallel",
-    "04": "trainscale.workers.collectives",
-    "05": "trainscale.workers.sharding",
-    "06": "trainscale.workers.tensor_parallel",
-    "07": "trainscale.workers.pipeline",
-    "14": "trainscale.workers.context",
-    "15": "trainscale.workers.experts",
-    "16": "trainscale.train",
+    "05": "trainscale.workers.data_parallel",
+    "06": "trainscale.workers.collectives",
+    "07": "trainscale.workers.sharding",
+    "08": "trainscale.workers.tensor_parallel",
+    "09": "trainscale.workers.pipeline",
+    "10": "trainscale.workers.context",
+    "11": "trainscale.workers.experts",
+    "17": "trainscale.train",
 }
 """The chapters that show a reader how to run their real multi-process check themselves,
 and the module each runs."""

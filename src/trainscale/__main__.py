@@ -41,8 +41,8 @@ command lines of the package:
       the capstone: a small GPT on any TP x PP x DP layout, restartably (chapter 17);
       `python -m trainscale.train --help` lists its flags
   python -m trainscale.launch --nproc-per-node=4 -m trainscale.workers.NAME
-      a chapter's real multi-process check, NAME one of data_parallel (03),
-      collectives (04), sharding (05), tensor_parallel (06), pipeline (07)
+      a chapter's real multi-process check, NAME one of data_parallel (05),
+      collectives (06), sharding (07), tensor_parallel (08), pipeline (09)
 
 python -m trainscale.launch takes torchrun's common flags and runs torchrun's job on
 this computer with every listening socket on 127.0.0.1 (plain torchrun's stores listen
@@ -81,7 +81,7 @@ def sharding_lines() -> list[str]:
         for stage, name in sharding.STAGE_NAMES.items()
     )
     return [
-        "05 Sharding: ZeRO and FSDP",
+        "07 Sharding: ZeRO and FSDP",
         f"  bytes per parameter on each of {GPUS} GPUs: {per_param}",
         f"  {PARAMS_7B / 1e9:g}B parameters on {GPUS} GPUs, per GPU: {per_gpu}",
     ]
@@ -93,7 +93,7 @@ def collective_lines() -> list[str]:
     gradient_bytes = BF16_BYTES * PARAMS_7B
     sent = ring_bytes_per_rank(gradient_bytes, GPUS)
     return [
-        "04 Collectives",
+        "06 Collectives",
         f"  ring all-reduce: each rank sends 2(N-1)/N x the tensor: {factors} ranks",
         f"  bf16 gradients of {PARAMS_7B / 1e9:g}B parameters ({gradient_bytes / 1e9:g} GB)"
         f" on {GPUS} GPUs: {sent / 1e9:.1f} GB sent per GPU,"
@@ -108,7 +108,7 @@ def pipeline_lines() -> list[str]:
     )
     interleaved = pipeline.bubble(STAGES, INTERLEAVED_MICRO_BATCHES, INTERLEAVED_CHUNKS)
     return [
-        "07 Pipeline parallelism",
+        "09 Pipeline parallelism",
         f"  bubble (K-1)/(M+K-1) on {STAGES} stages: {flat}",
         f"  interleaved, {INTERLEAVED_CHUNKS} chunks per device, {INTERLEAVED_MICRO_BATCHES}"
         f" micro-batches: {interleaved:.1%}",
@@ -135,7 +135,7 @@ def budget_lines() -> list[str]:
     """Chapter 14: 6ND and the wall-clock time of a whole 1B-parameter run."""
     run = compute.training_budget(BUDGET_PARAMS, BUDGET_TOKENS, GPUS, PEAK_FLOPS, MFU, 1.0)
     return [
-        "11 How much compute, how long?",
+        "14 How much compute, how long?",
         f"  {BUDGET_PARAMS / 1e9:g}B parameters on {BUDGET_TOKENS / 1e9:g}B tokens:"
         f" 6ND = {run.flops:.1e} FLOPs, {run.seconds:,.0f} s = {run.days:.2f} days"
         f" on {_assumed_gpus()}",
@@ -151,7 +151,7 @@ def efficiency_lines() -> list[str]:
     """Chapter 15: the MFU of the 7B job that reports 3,000 tokens per second per A100."""
     share = compute.mfu(TOKENS_PER_GPU_PER_S, PARAMS_7B, gpus=1, peak_flops=A100_BF16_FLOPS)
     return [
-        "12 Measuring efficiency",
+        "15 Measuring efficiency",
         f"  {PARAMS_7B / 1e9:g}B parameters at {TOKENS_PER_GPU_PER_S:,} tokens/s per A100"
         f" ({A100_BF16_FLOPS / 1e12:g} TFLOP/s bf16): MFU {share:.1%}",
     ]
@@ -164,7 +164,7 @@ def planner_lines() -> list[str]:
     layouts = planner.plan(model, cluster, batch)
     fitting = planner.verdict_counts(layouts)["fits"]
     lines = [
-        "13 Planning a large run",
+        "16 Planning a large run",
         f"  {model.params / 1e9:g}B parameters on {cluster.nodes} nodes x"
         f" {cluster.gpus_per_node} GPUs of {_gib(cluster.memory_bytes)}, global batch"
         f" {batch:,} sequences ({batch * model.seq_len:,} tokens): {len(layouts):,} layouts,"
