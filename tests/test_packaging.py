@@ -288,5 +288,5 @@ def test_wheel_works_without_the_source_tree(tmp_path: Path) -> None:
         check=False,
     )
     assert summary.returncode == 0, summary.stderr
-    assert "13 Planning a large run" in summary.stdout
+    assert "16 Planning a large run" in summary.stdout
     assert f"(trainscale {project()['version']})" in summary.stdout
