@@ -298,8 +298,8 @@ def _log2_ticks(axis, values: Sequence[float]) -> None:
     axis.set_minor_formatter(NullFormatter())
 
 
-HOURS_TICKS = (0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1_000, 2_000, 5_000, 10_000)
-"""Tick values of the hours axis: 1, 2 and 5 times a power of ten."""
+HOURS_TICKS = tuple(10.0**e for e in range(-3, 7))
+"""Tick values of the hours axis: the powers of ten (the axis spans several decades)."""
 
 
 def failure_intervals(
