@@ -24,6 +24,7 @@ from trainscale.figures.context import (
     ring_attention_steps,
 )
 from trainscale.figures.data_parallel import batch_split, bucket_timeline
+from trainscale.figures.decisions import failure_intervals, parallelism_flowchart
 from trainscale.figures.efficiency import (
     loader_timeline,
     matmul_throughput,
@@ -91,6 +92,7 @@ __all__ = [
     "decay_bars",
     "expert_loads",
     "exposed_communication",
+    "failure_intervals",
     "flop_bars",
     "flop_breakdown",
     "format_ranges",
@@ -111,6 +113,7 @@ __all__ = [
     "new_figure",
     "node_diagram",
     "noise_scale_growth",
+    "parallelism_flowchart",
     "pipeline_timelines",
     "planner_calibration",
     "planner_rejections",
