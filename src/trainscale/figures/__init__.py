@@ -41,6 +41,7 @@ from trainscale.figures.hardware import (
     roofline,
 )
 from trainscale.figures.memory import activations_against_batch, memory_stack
+from trainscale.figures.mesh import device_mesh
 from trainscale.figures.pipeline import bubble_curves, pipeline_timelines, schedule_comparison
 from trainscale.figures.planner import (
     planner_calibration,
@@ -90,6 +91,7 @@ __all__ = [
     "checkpoint_tradeoff",
     "context_traffic_against_sequence",
     "decay_bars",
+    "device_mesh",
     "expert_loads",
     "exposed_communication",
     "failure_intervals",
