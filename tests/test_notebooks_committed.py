@@ -107,6 +107,8 @@ def test_first_code_cell_installs_the_package_on_colab_only(notebook):
     first = "".join(_code_cells(notebook)[0]["source"])
     assert 'if "google.colab" in sys.modules:' in first
     assert f'repository = "{config["repository"]["url"]}"' in first
+    # plumbing a reader on the site does not need: its input is removed there
+    assert "remove-input" in _code_cells(notebook)[0]["metadata"].get("tags", [])
 
 
 def _calls(source: str, pattern: str) -> bool:
