@@ -1002,7 +1002,7 @@ def test_the_full_size_table_compares_part_by_part():
 
     gib = 2**30
     found = {
-        "layout": train.Layout(pp=2, dp_shard=4),
+        "layout": train.Layout(dp_shard=4),
         "pp_rank": 0,
         "parts": {"weights": 2 * gib, "activations": 11 * gib, "buffers": 0},
         "peak": {"Total": 13 * gib},
@@ -1011,10 +1011,31 @@ def test_the_full_size_table_compares_part_by_part():
     lines = full_size.table("a case", found)
     assert (
         lines[0]
-        == "a case: TP 1 x PP 2 x DP 4 (replicate 1 x shard 4), pipeline rank 0 the fullest"
+        == "a case: TP 1 x PP 1 x DP 4 (replicate 1 x shard 4), pipeline rank 0 the fullest"
     )
     assert lines[2].split() == ["weights", "2.00", "2.00", "+0%"]
     assert lines[3].split() == ["activations", "11.00", "10.00", "+10%"]
     assert lines[4].split() == ["buffers", "0.00", "-", "-"]
     assert lines[5].split() == ["total", "13.00", "12.00", "+8%"]
     assert lines[6] == "  the tracker's total fits an H100's 79.6 GiB"
+    # pipelined: the stages' whole gradients and gathered weights, counted, decide the fit
+    piped = {**found, "layout": train.Layout(pp=2, dp_shard=4)}
+    piped["peak"] = {"Total": 13 * gib, "Sharded Param": 20 * gib}  # 80 GiB whole in fp32
+    lines = full_size.table("a case", piped)
+    assert lines[-2].split()[:3] == ["with", "the", "stages"]
+    assert lines[-1] == "  with the stages, the total does not fit an H100's 79.6 GiB"
+
+
+def test_what_the_pipeline_stages_hold_is_counted_from_the_ranks_parameters():
+    # A rank of PP 2 x DP 2 x CP 2 whose sharded fp32 parameters are 1 GiB at the peak:
+    # over dp_shard x cp = 4 ranks the whole fp32 gradients are 4 GiB and the gathered
+    # bf16 weights 2 GiB; the measured peak of 10 GiB held 0.5 GiB of gathered weights and
+    # 0.25 GiB of sharded gradients, replaced: 10 - 0.5 - 0.25 + 2 + 4 = 15.25 GiB.
+    gib = 2**30
+    found = {
+        "layout": train.Layout(pp=2, dp_shard=2, cp=2),
+        "peak": {"Sharded Param": gib, "Sharded Grad": gib // 4, "Total": 10 * gib},
+        "parts": {"weights": gib // 2},
+    }
+    held = train.estimate.held_by_pipeline_stages(found)
+    assert held == {"weights": 2 * gib, "gradients": 4 * gib, "total": 15 * gib + gib // 4}

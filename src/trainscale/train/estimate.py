@@ -472,12 +472,29 @@ PIPELINED_NOTE = (
     "with pipelines the runner's torch stages keep FSDP2's weights gathered and its fp32"
     " gradients whole until the step's last backward (ZeRO-1's memory; PipelineStage."
     "backward_maybe_with_nosync); this step reduces each micro-batch's gradients and"
-    " reshards its weights after its backward instead, so its weights and gradients are"
-    " below the runner's"
+    " reshards its weights after its backward instead, so the line below adds what the"
+    " stages hold more, counted from this rank's parameters"
 )
 """What ``--estimate-memory`` says of a pipelined layout: the step it measures is not the
 runner's (torch's pipeline stages turn gradient sync off; ``FSDPMemTracker`` counts the
-gradients FSDP2 accumulates then as temporaries, so they are not reproduced here)."""
+gradients FSDP2 accumulates then as temporaries, so they are not reproduced here), and
+:func:`held_by_pipeline_stages` counts the difference."""
+
+
+def held_by_pipeline_stages(found: dict[str, Any]) -> dict[str, int]:
+    """What torch's pipeline stages hold through a step of ``found``'s rank
+    (:func:`estimate_memory`'s result, a pipelined layout), counted from its parameters:
+    every ``weights`` in bfloat16 gathered over FSDP2's ranks (``dp_shard x cp``, as
+    :func:`~trainscale.train.parallelize.fsdp_mesh` shards) and every ``gradients`` whole
+    in float32, that is the measured sharded float32 parameters times that group's size,
+    halved and as they are; and the ``total``: the measured peak with its gathered
+    weights and sharded gradients replaced by those (the unsharded bfloat16 gradients of
+    the block in backward stay, as measured). Bytes."""
+    layout, peak = found["layout"], found["peak"]
+    whole = peak.get("Sharded Param", 0) * layout.dp_shard * layout.cp
+    weights, gradients = whole // 2, whole
+    total = peak.get("Total", 0) - found["parts"]["weights"] - peak.get("Sharded Grad", 0)
+    return {"weights": weights, "gradients": gradients, "total": total + weights + gradients}
 
 
 def report(config: TrainConfig, all_layers: bool = False) -> list[str]:
@@ -510,5 +527,10 @@ def report(config: TrainConfig, all_layers: bool = False) -> list[str]:
     if found["planner"] is None:
         lines.append("the planner does not model this layout (HSDP, or a ZeRO stage refused)")
     if found["layout"].pp > 1:
-        lines.append(f"note: {PIPELINED_NOTE}")
+        held = held_by_pipeline_stages(found)
+        lines.append(f"note: {PIPELINED_NOTE}:")
+        lines.append(
+            f"  with the stages: {held['total'] / gib:.2f} GiB (weights"
+            f" {held['weights'] / gib:.2f}, gradients {held['gradients'] / gib:.2f}, counted)"
+        )
     return lines

@@ -99,11 +99,18 @@ def table(name: str, found: dict[str, Any], gpu_bytes: float | None = None) -> l
     shown = "-" if plan_total is None else f"{plan_total / GIB:.2f}"
     lines.append(f"  {'total':<16} {total / GIB:8.2f} {shown:>8} {ratio:>16}")
     gpu = h100_bytes() if gpu_bytes is None else gpu_bytes
-    fits = "fits" if total <= gpu else "does not fit"
     whose = "an H100's" if gpu_bytes is None else "the GPU's"
-    lines.append(f"  the tracker's total {fits} {whose} {gpu / GIB:.1f} GiB")
+    what = "the tracker's total"
     if found["layout"].pp > 1:
-        from trainscale.train.estimate import PIPELINED_NOTE
+        from trainscale.train.estimate import PIPELINED_NOTE, held_by_pipeline_stages
 
-        lines.append(f"  note: {PIPELINED_NOTE}")
+        held = held_by_pipeline_stages(found)
+        lines.append(f"  note: {PIPELINED_NOTE}:")
+        lines.append(
+            f"  {'with the stages':<16} {held['total'] / GIB:8.2f}   (weights"
+            f" {held['weights'] / GIB:.2f}, gradients {held['gradients'] / GIB:.2f} counted)"
+        )
+        total, what = held["total"], "with the stages, the total"
+    fits = "fits" if total <= gpu else "does not fit"
+    lines.append(f"  {what} {fits} {whose} {gpu / GIB:.1f} GiB")
     return lines
