@@ -275,6 +275,28 @@ _README_08 = (
     "(--overlap-grad-reduce --overlap-param-gather), tensor-parallel (--tp-comm-overlap)'"
 )
 _TITAN_2024 = "pytorch/torchtitan@9dec370 (26 Dec 2024, its H100 benchmark's commit)"
+_FSDP2_OVERLAP = {
+    "overlap_grad_reduce": "PyTorch FSDP2 (fully_shard): gradients reduce-scattered during"
+    " the backward, layer by layer",
+    "overlap_param_gather": "PyTorch FSDP2 (fully_shard): the next layer's all-gather"
+    " overlaps this one's compute",
+    "fsdp_prefetch": "PyTorch FSDP2 (fully_shard): implicit forward and backward prefetching",
+}
+"""Where the overlap fields of every FSDP2 stack come from (torchtitan's presets)."""
+_TORCHTITAN: dict[str, object] = {
+    "fused_attention": True,
+    "dropout": False,
+    "gradient_reduce_dtype": "fp32",
+    "pipeline_zero_stages": (0, 1),
+    "sequence_parallel_style": "keep gathered",
+    "selective_recompute": "every other matmul",
+    "fused_loss": False,
+    "overlap_grad_reduce": True,
+    "overlap_param_gather": True,
+    "overlap_tp_comm": False,
+    "fsdp_prefetch": True,
+}
+"""The values torchtitan's presets share (each preset sources them at its commit)."""
 _PIPELINED_FSDP = (
     "torch.distributed.pipelining (torch 2.13) stage.py:844-848, backward_maybe_with_nosync:"
     " FSDP2's gradient sync and reshard after backward off until the step's last backward"
@@ -449,27 +471,12 @@ SOFTWARE: dict[str, Software] = {
                 "RMSNorm, rotary embedding and SiLU as eager ops (compile off by default)",
                 "fused_loss": f"{TORCHTITAN} torchtitan/components/loss.py:57, "
                 "F.cross_entropy(pred.float(), ...) in eager mode (without TP)",
-                "overlap_grad_reduce": "PyTorch FSDP2 (fully_shard): gradients reduce-scattered "
-                "during the backward, layer by layer",
-                "overlap_param_gather": "PyTorch FSDP2 (fully_shard): the next layer's "
-                "all-gather overlaps this one's compute",
                 "overlap_tp_comm": f"{TORCHTITAN} configs.py:298, enable_async_tensor_parallel "
                 "= False",
-                "fsdp_prefetch": "PyTorch FSDP2 (fully_shard): implicit forward and backward "
-                "prefetching",
+                **_FSDP2_OVERLAP,
             },
-            fused_attention=True,
-            dropout=False,
-            gradient_reduce_dtype="fp32",
-            pipeline_zero_stages=(0, 1),
-            sequence_parallel_style="keep gathered",
-            selective_recompute="every other matmul",
             fused_elementwise=False,
-            fused_loss=False,
-            overlap_grad_reduce=True,
-            overlap_param_gather=True,
-            overlap_tp_comm=False,
-            fsdp_prefetch=True,
+            **_TORCHTITAN,
         ),
         _preset(
             "megatron-core-te",
@@ -573,27 +580,12 @@ SOFTWARE: dict[str, Software] = {
                     "fused_loss": f"{_TITAN_2024} train.py:130-133, F.cross_entropy("
                     "pred.flatten(0, 1).float(), ...) in eager mode (compiling it 'causes CUDA"
                     " errors, turning off for now')",
-                    "overlap_grad_reduce": "PyTorch FSDP2 (fully_shard): gradients "
-                    "reduce-scattered during the backward, layer by layer",
-                    "overlap_param_gather": "PyTorch FSDP2 (fully_shard): the next layer's "
-                    "all-gather overlaps this one's compute",
                     "overlap_tp_comm": f"{_TITAN_2024} config_manager.py:288, "
                     "--experimental.enable_async_tensor_parallel off by default",
-                    "fsdp_prefetch": "PyTorch FSDP2 (fully_shard): implicit forward and "
-                    "backward prefetching",
+                    **_FSDP2_OVERLAP,
                 },
-                fused_attention=True,
-                dropout=False,
-                gradient_reduce_dtype="fp32",
-                pipeline_zero_stages=(0, 1),
-                sequence_parallel_style="keep gathered",
-                selective_recompute="every other matmul",
                 fused_elementwise=bool(suffix),
-                fused_loss=False,
-                overlap_grad_reduce=True,
-                overlap_param_gather=True,
-                overlap_tp_comm=False,
-                fsdp_prefetch=True,
+                **_TORCHTITAN,
             )
             for suffix, title in (("", ""), ("-compiled", ", torch.compile"))
         ),

@@ -184,13 +184,14 @@ def _box(ax: Axes, x: float, top: float, w: float, h: float, face: str, edge: st
     )
 
 
-def _leaf(ax: Axes, leaf: Leaf, x: float, top: float) -> None:
-    _box(ax, x, top, _L_W, _LEAF_H, "white", LEAF_COLOURS[leaf.row], 2.0)
+def _leaf(ax: Axes, leaf: Leaf, x: float, top: float, width: float = _L_W) -> None:
+    """A box that adds a kind of parallelism (or ends the chart): title, detail, chapters."""
+    _box(ax, x, top, width, _LEAF_H, "white", LEAF_COLOURS[leaf.row], 2.0)
     ax.text(x + 0.1, top - 0.08, leaf.title, ha="left", va="top", fontsize=8.5, weight="bold")
     detail = textwrap.fill(leaf.detail, width=52)
     ax.text(x + 0.1, top - 0.27, detail, ha="left", va="top", fontsize=7.5, color=INK)
     ax.text(
-        x + _L_W - 0.1,
+        x + width - 0.1,
         top - _LEAF_H + 0.06,
         _chapters(leaf.chapters),
         ha="right",
@@ -264,26 +265,7 @@ def parallelism_flowchart(
                 _arrow(ax, (_Q_X + _Q_W, level), (_L_X, level), answer)
             following = q_tops[k + 1] if k + 1 < len(questions) else top
             _arrow(ax, (centre, q_top - q_h), (centre, following), "")
-        _box(ax, _Q_X, top, _Q_W, _LEAF_H, "white", LEAF_COLOURS[end.row], 2.0)
-        ax.text(_Q_X + 0.1, top - 0.08, end.title, ha="left", va="top", fontsize=8.5, weight="bold")
-        ax.text(
-            _Q_X + 0.1,
-            top - 0.27,
-            textwrap.fill(end.detail, width=52),
-            ha="left",
-            va="top",
-            fontsize=7.5,
-        )
-        ax.text(
-            _Q_X + _Q_W - 0.1,
-            top - _LEAF_H + 0.06,
-            _chapters(end.chapters),
-            ha="right",
-            va="bottom",
-            fontsize=7.5,
-            color=MUTED_INK,
-            style="italic",
-        )
+        _leaf(ax, end, _Q_X, top, width=_Q_W)
         ax.set_title(title, loc="left")
         fig.supxlabel(
             textwrap.fill(source, width=120), x=0.01, ha="left", fontsize=7, color=MUTED_INK

@@ -380,16 +380,20 @@ def _cluster(args: argparse.Namespace, preset: Preset | None) -> tuple[planner.C
     return planner.Cluster(nodes=_checks.count("--nodes", nodes, minimum=1), **settings), gpu
 
 
+def _numbers(flag: str, text: str, what: str) -> list[float]:
+    """A flag's comma-separated numbers; ``ValueError`` naming ``flag`` and ``what`` they
+    must be otherwise."""
+    try:
+        return [float(part) for part in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{flag} must be {what} separated by commas, got {text!r}") from None
+
+
 def _degrees(flag: str, text: str | None) -> tuple[int, ...] | None:
     """A flag's comma-separated whole numbers >= 1, each once (``None`` when not given)."""
     if text is None:
         return None
-    try:
-        values = [float(part) for part in text.split(",")]
-    except ValueError:
-        raise ValueError(
-            f"{flag} must be whole numbers >= 1 separated by commas, got {text!r}"
-        ) from None
+    values = _numbers(flag, text, "whole numbers >= 1")
     return tuple(dict.fromkeys(_checks.count(flag, v, minimum=1) for v in values))
 
 
@@ -403,12 +407,7 @@ def _zero_stages(text: str | None) -> tuple[int, ...] | None:
     """``--zero-stages``: ZeRO stages 0-3 separated by commas (``None``: the software's)."""
     if text is None:
         return None
-    try:
-        values = [float(part) for part in text.split(",")]
-    except ValueError:
-        raise ValueError(
-            f"--zero-stages must be ZeRO stages 0-3 separated by commas, got {text!r}"
-        ) from None
+    values = _numbers("--zero-stages", text, "ZeRO stages 0-3")
     return tuple(
         dict.fromkeys(int(_checks.choice("--zero-stages", v, (0, 1, 2, 3))) for v in values)
     )

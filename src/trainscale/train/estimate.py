@@ -497,40 +497,65 @@ def held_by_pipeline_stages(found: dict[str, Any]) -> dict[str, int]:
     return {"weights": weights, "gradients": gradients, "total": total + weights + gradients}
 
 
+def comparison_lines(found: dict[str, Any], gpu_bytes: float, gpu_name: str) -> list[str]:
+    """``found`` (:func:`estimate_memory`'s result) beside the planner, part by part, in
+    GiB, with the tracker's excess in per cent where the planner has the part; for a
+    pipelined layout what the pipeline stages hold more (:func:`held_by_pipeline_stages`);
+    and whether the total fits ``gpu_name``'s ``gpu_bytes``."""
+    gib = memory.GIB
+    planned = found["planner"] or {}
+    lines = [f"  {'GiB':<16} {'tracker':>8} {'planner':>8} {'tracker/planner':>16}"]
+    for part, size in found["parts"].items():
+        plan = planned.get(part)
+        if plan is None or plan == 0:
+            ratio = "-"
+            shown = "-" if plan is None else "0.00"
+        else:
+            ratio, shown = f"{size / plan - 1:+.0%}", f"{plan / gib:.2f}"
+        lines.append(f"  {part:<16} {size / gib:8.2f} {shown:>8} {ratio:>16}")
+    total = found["peak"].get("Total", 0)
+    plan_total = sum(planned.values()) if planned else None
+    ratio = "-" if not plan_total else f"{total / plan_total - 1:+.0%}"
+    shown = "-" if plan_total is None else f"{plan_total / gib:.2f}"
+    lines.append(f"  {'total':<16} {total / gib:8.2f} {shown:>8} {ratio:>16}")
+    if found["planner"] is None:
+        lines.append("  the planner does not model this layout (HSDP, or a ZeRO stage refused)")
+    what = "the tracker's total"
+    if found["layout"].pp > 1:
+        held = held_by_pipeline_stages(found)
+        lines.append(f"  note: {PIPELINED_NOTE}:")
+        lines.append(
+            f"  {'with the stages':<16} {held['total'] / gib:8.2f}   (weights"
+            f" {held['weights'] / gib:.2f}, gradients {held['gradients'] / gib:.2f} counted)"
+        )
+        total, what = held["total"], "with the stages, the total"
+    fits = "fits" if total <= gpu_bytes else "does not fit"
+    lines.append(f"  {what} {fits} {gpu_name} {gpu_bytes / gib:.1f} GiB")
+    return lines
+
+
+def h100_bytes() -> float:
+    """An H100-80GB's memory as the planner counts it (bytes, ``Cluster.memory_bytes``)."""
+    from trainscale import planner
+
+    return planner.Cluster(nodes=1, **planner.H100_NODE).memory_bytes
+
+
 def report(config: TrainConfig, all_layers: bool = False) -> list[str]:
     """The lines ``--estimate-memory`` prints: the fullest rank's memory at its peak by
-    the planner's parts, beside the planner's parts, in GiB."""
+    the planner's parts, beside the planner's parts (:func:`comparison_lines`, against an
+    H100-80GB), in GiB."""
     found = estimate_memory(config, all_layers)
-    gib = memory.GIB
     if all_layers:
         how = "every block"
     else:
         how = f"scaled from (blocks per chunk, in flight) {found['measured_at']}"
-    lines = [
+    return [
         f"rank {found['rank']} (pipeline rank {found['pp_rank']}, the fullest of"
         f" {len(found['totals'])} measured) of {found['layout'].describe()},"
         f" {found['in_flight']} forward(s) in flight; one step on a fake world"
         f" (FSDPMemTracker, bf16 weights, fp32 reduction; {how}):",
-        f"  {'GiB':<16} {'at the peak':>11} {'planner':>10}",
+        *comparison_lines(found, h100_bytes(), "an H100's"),
+        f"  the gradients' own highest, at the end of backward:"
+        f" {found['gradients'] / memory.GIB:.2f}",
     ]
-    planned = found["planner"] or {}
-    for part, size in found["parts"].items():
-        plan = planned.get(part)
-        shown = "-" if plan is None else f"{plan / gib:.2f}"
-        lines.append(f"  {part:<16} {size / gib:11.2f} {shown:>10}")
-    peak = found["peak"].get("Total", 0)
-    plan_total = f"{sum(planned.values()) / gib:.2f}" if planned else "-"
-    lines.append(f"  {'total':<16} {peak / gib:11.2f} {plan_total:>10}")
-    lines.append(
-        f"  the gradients' own highest, at the end of backward: {found['gradients'] / gib:.2f}"
-    )
-    if found["planner"] is None:
-        lines.append("the planner does not model this layout (HSDP, or a ZeRO stage refused)")
-    if found["layout"].pp > 1:
-        held = held_by_pipeline_stages(found)
-        lines.append(f"note: {PIPELINED_NOTE}:")
-        lines.append(
-            f"  with the stages: {held['total'] / gib:.2f} GiB (weights"
-            f" {held['weights'] / gib:.2f}, gradients {held['gradients'] / gib:.2f}, counted)"
-        )
-    return lines

@@ -21,15 +21,6 @@ import shlex
 from collections.abc import Callable
 from typing import Any
 
-from trainscale.memory import GIB
-
-
-def h100_bytes() -> float:
-    """An H100-80GB's memory as the planner counts it (bytes, ``Cluster.memory_bytes``)."""
-    from trainscale import planner
-
-    return planner.Cluster(nodes=1, **planner.H100_NODE).memory_bytes
-
 
 def planned_flags(argv: list[str]) -> list[str]:
     """The ``trainscale.train`` flags of the cluster command ``python -m trainscale.planner
@@ -76,41 +67,16 @@ CASES: dict[str, Callable[[], list[str]]] = {
 
 
 def table(name: str, found: dict[str, Any], gpu_bytes: float | None = None) -> list[str]:
-    """Lines comparing ``found`` (:func:`~trainscale.train.estimate.estimate_memory`'s
-    result) with the planner, part by part, in GiB, with the tracker's excess in per cent
-    where the planner has the part, and whether the total fits a GPU of ``gpu_bytes``
-    (``None``: an H100-80GB's, :func:`h100_bytes`)."""
-    planned = found["planner"] or {}
-    lines = [
-        f"{name}: {found['layout'].describe()}, pipeline rank {found['pp_rank']} the fullest",
-        f"  {'GiB':<16} {'tracker':>8} {'planner':>8} {'tracker/planner':>16}",
-    ]
-    for part, size in found["parts"].items():
-        plan = planned.get(part)
-        if plan is None or plan == 0:
-            ratio = "-"
-            shown = "-" if plan is None else "0.00"
-        else:
-            ratio, shown = f"{size / plan - 1:+.0%}", f"{plan / GIB:.2f}"
-        lines.append(f"  {part:<16} {size / GIB:8.2f} {shown:>8} {ratio:>16}")
-    total = found["peak"].get("Total", 0)
-    plan_total = sum(planned.values()) if planned else None
-    ratio = "-" if not plan_total else f"{total / plan_total - 1:+.0%}"
-    shown = "-" if plan_total is None else f"{plan_total / GIB:.2f}"
-    lines.append(f"  {'total':<16} {total / GIB:8.2f} {shown:>8} {ratio:>16}")
-    gpu = h100_bytes() if gpu_bytes is None else gpu_bytes
-    whose = "an H100's" if gpu_bytes is None else "the GPU's"
-    what = "the tracker's total"
-    if found["layout"].pp > 1:
-        from trainscale.train.estimate import PIPELINED_NOTE, held_by_pipeline_stages
+    """``name``, the layout and its fullest pipeline rank, then ``found``
+    (:func:`~trainscale.train.estimate.estimate_memory`'s result) beside the planner
+    (:func:`~trainscale.train.estimate.comparison_lines`), against a GPU of ``gpu_bytes``
+    (``None``: an H100-80GB's,
+    :func:`~trainscale.train.estimate.h100_bytes`)."""
+    from trainscale.train.estimate import comparison_lines, h100_bytes
 
-        held = held_by_pipeline_stages(found)
-        lines.append(f"  note: {PIPELINED_NOTE}:")
-        lines.append(
-            f"  {'with the stages':<16} {held['total'] / GIB:8.2f}   (weights"
-            f" {held['weights'] / GIB:.2f}, gradients {held['gradients'] / GIB:.2f} counted)"
-        )
-        total, what = held["total"], "with the stages, the total"
-    fits = "fits" if total <= gpu else "does not fit"
-    lines.append(f"  {what} {fits} {whose} {gpu / GIB:.1f} GiB")
-    return lines
+    whose = "an H100's" if gpu_bytes is None else "the GPU's"
+    gpu = h100_bytes() if gpu_bytes is None else gpu_bytes
+    return [
+        f"{name}: {found['layout'].describe()}, pipeline rank {found['pp_rank']} the fullest",
+        *comparison_lines(found, gpu, whose),
+    ]
