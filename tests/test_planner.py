@@ -1185,3 +1185,16 @@ def test_zero_shards_the_experts_over_the_ranks_that_hold_the_same_ones():
     experts_per_gpu = 32 * 1_409_286_144 // 8
     hand = 12 * (-(-dense // 64) + -(-experts_per_gpu // 8))
     assert lay.memory_parts["optimiser state"] == hand
+
+
+def test_a_published_shape_ranks_where_the_search_puts_it():
+    # torchtitan's Llama 3.1 8B on 8 H100s: TP 1 x PP 1 x DP 8, first at its own CP degree
+    # and still first when CP is searched too (8,192 tokens: CP 2 and 4 are tried)
+    name = "Llama 3.1 8B on 8 H100s (torchtitan FSDP)"
+    run = next(r for r in P.published_runs() if r.name == name)
+    model, cluster = P.published_model(run), P.published_cluster(run)
+    assert P.context_parallel_degrees(model, cluster, run.software) != (1,)
+    assert P.shape_rank(run) == 1
+    assert P.shape_rank(run, search_context_parallel=True) == 1
+    # a shape that breaks a rule ranks nowhere: DP 8 cannot split a batch of 4 sequences
+    assert P.shape_rank(dataclasses.replace(run, global_batch=4)) is None

@@ -67,6 +67,7 @@ from trainscale.planner.calibration import (
     reported_mfu,
     reported_mfu_6n,
     restated_run,
+    shape_rank,
     split_runs,
 )
 from trainscale.planner.inputs import (
@@ -209,6 +210,7 @@ __all__ = [  # this module's public names, and those it re-exports for chapter 1
     "reported_mfu",
     "reported_mfu_6n",
     "restated_run",
+    "shape_rank",
     "split_runs",
     "stage_params",
     "table4_half_shares",

@@ -186,13 +186,14 @@ def _at_shape(
     return _best(candidates)
 
 
-def _rank(run: PublishedRun) -> int | None:
+def shape_rank(run: PublishedRun, search_context_parallel: bool = False) -> int | None:
     """Place of the run's TP x PP x DP among the shapes :func:`plan` ranks first for its
     model, GPUs and batch under the defaults a user of ``python -m trainscale.planner
     --software`` gets (the run's software; every interleaving depth, ZeRO stage,
-    recomputation mode and micro-batch the defaults try, at the run's CP degree; the
-    default bubble limit; the central unknowns); ``None`` when it is not among the shapes
-    that fit."""
+    recomputation mode and micro-batch the defaults try; the default bubble limit; the
+    central unknowns), at the run's CP degree, or with ``search_context_parallel`` every
+    degree the command line tries by default (:func:`context_parallel_degrees`); ``None``
+    when it is not among the shapes that fit."""
     cluster = published_cluster(run)
     layouts = plan(
         published_model(run),
@@ -200,7 +201,7 @@ def _rank(run: PublishedRun) -> int | None:
         run.global_batch,
         virtual_stages=INTERLEAVING,
         software=run.software,
-        context_parallel=(run.cp or 1,),
+        context_parallel=None if search_context_parallel else (run.cp or 1,),
         tensor_parallel=range(1, cluster.gpus_per_node + 1),  # wider: never fits, never ranks
     )
     shapes = [lay.shape for lay in top_layouts(layouts, count=len(layouts))]
@@ -261,7 +262,7 @@ def estimate_run(
         margin=widen,
         memory_bytes=point.memory_bytes,
         fits=memory_ok,
-        rank=_rank(run) if rank else None,
+        rank=shape_rank(run) if rank else None,
     )
 
 

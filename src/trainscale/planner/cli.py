@@ -279,24 +279,30 @@ def _runner_best(request: Request) -> list[planner.Layout]:
     return planner.top_layouts(_search(request, RUNNER_SOFTWARE), count=request.top)
 
 
-def _published_lines(run: PublishedRun) -> list[str]:
+def _published_lines(run: PublishedRun, layouts: Sequence[planner.Layout]) -> list[str]:
     """The planner's estimate of the published layout, with its range, next to the
-    published MFU (:func:`trainscale.planner.estimate_run`)."""
+    published MFU (:func:`trainscale.planner.estimate_run`), and where its shape ranks
+    among the fitting shapes of this search, ``layouts`` (the settings a user gets, where
+    the estimate's rank is at the run's own)."""
     try:
         estimate = planner.estimate_run(run)
     except ValueError as error:  # a layout the planner cannot estimate (e.g. CP > 1)
         return [f"the published layout: {error}", ""]
     fits = "fits" if estimate.fits else "does not fit"
     place = (
-        f"the planner ranks its shape {estimate.rank} at the run's own settings"
+        f"its shape ranks {estimate.rank} at the run's own settings"
         if estimate.rank
-        else "its shape is not among the planner's fitting ones"
+        else "its shape is not among the planner's fitting ones at the run's own settings"
     )
+    shapes = [lay.shape for lay in planner.top_layouts(layouts, count=len(layouts))]
+    shape = (run.tp, run.pp, run.dp)
+    here = shapes.index(shape) + 1 if shape in shapes else "none"
     return [
         f"the published layout, TP {run.tp} x PP {run.pp} x DP {run.dp}: estimated MFU"
         f" {estimate.mfu:.1%} (range {estimate.mfu_low:.1%}-{estimate.mfu_high:.1%}),",
         f"  published {planner.reported_mfu(run):.1%} (6N); it {fits} in"
-        f" {estimate.memory_bytes / GIB:.1f} GiB per GPU; {place}",
+        f" {estimate.memory_bytes / GIB:.1f} GiB per GPU;",
+        f"  {place}; in this search, {here} of {len(shapes):,} fitting shapes",
         "",
     ]
 
@@ -407,8 +413,9 @@ def _report(request: Request, data: dict) -> tuple[list[str], bool]:
         "",
     ]
     if request.published is not None:
-        lines += _published_lines(request.published)
-        data["published"] = _published_lines(request.published)[:-1]
+        published = _published_lines(request.published, layouts)
+        lines += published
+        data["published"] = published[:-1]
     place, notes, checked = _runnable(best, request)
     if place is None and stack.name != RUNNER_SOFTWARE:
         best = _runner_best(request)
