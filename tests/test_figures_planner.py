@@ -32,12 +32,19 @@ def test_figures_draw_the_plan(layouts_70b):
 
 def test_calibration_figure_draws_one_range_per_run():
     fig = planner_calibration(
-        [0.30, 0.40, 0.50], [(0.25, 0.3, 0.35), (0.3, 0.35, 0.4), (0.5, 0.55, 0.6)], ["a", "a", "b"]
+        [0.30, 0.40, 0.50],
+        [(0.25, 0.3, 0.35), (0.3, 0.35, 0.4), (0.5, 0.55, 0.6)],
+        ["a", "a", "b"],
+        source="Sources: a; b.",
     )
     assert isinstance(fig, BookFigure) and len(fig.axes) == 1
     assert len(fig.axes[0].collections) == 2  # one set of range bars per source
+    # the source sits in the layout, under the x-label, not over it
+    assert fig.get_supxlabel() == "Sources: a; b."
     with pytest.raises(ValueError, match="published"):
-        planner_calibration([0.3], [], ["a"])
+        planner_calibration([0.3], [], ["a"], source="a")
+    with pytest.raises(ValueError, match="source"):
+        planner_calibration([0.3], [(0.2, 0.3, 0.4)], ["a"], source=" ")
 
 
 def test_a_part_is_drawn_and_named_only_where_some_bar_shows_it(layouts_70b):

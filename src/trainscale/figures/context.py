@@ -16,6 +16,7 @@ from trainscale.figures.style import (
     STYLE,
     BookFigure,
     new_figure,
+    source_note,
 )
 
 WORK_COLOURS = {1.0: PALETTE["blue"], 0.5: PALETTE["sky"], 0.0: PALE_GREY}
@@ -30,13 +31,6 @@ SCHEME_COLOURS = {
     "tensor parallelism": PALETTE["orange"],
 }
 """One colour per way of splitting attention's work."""
-
-
-def _source(fig: Figure, source: str) -> None:
-    """Where the numbers come from, in small grey type under the axes."""
-    if not source.strip():
-        raise ValueError("source must say where the figure's numbers come from, got ''")
-    fig.supxlabel(source, fontsize=7.5, color=MUTED_INK)
 
 
 def ring_attention_steps(
@@ -86,7 +80,7 @@ def ring_attention_steps(
         labels = {1.0: "whole block", 0.5: "half a block", 0.0: "skipped (masked)"}
         handles = [Patch(facecolor=WORK_COLOURS[b], label=labels[b]) for b in sorted(shares)[::-1]]
         fig.legend(handles=handles, loc="outside right center", fontsize=8)
-        _source(fig, source)
+        source_note(fig, source)
     return fig
 
 
@@ -135,7 +129,7 @@ def attention_work_per_rank(
                 color=INK,
                 bbox={"facecolor": "white", "edgecolor": PALE_GREY},
             )
-        _source(fig, source)
+        source_note(fig, source)
     return fig
 
 
@@ -184,5 +178,5 @@ def context_traffic_against_sequence(
         right.set_ylabel("communication / compute")
         left.legend(fontsize=8, loc="upper left")
         fig.suptitle(title, fontweight="bold")
-        _source(fig, source)
+        source_note(fig, source)
     return fig

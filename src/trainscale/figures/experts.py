@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import textwrap
 from collections.abc import Mapping, Sequence
 
 import matplotlib.pyplot as plt
@@ -18,6 +17,7 @@ from trainscale.figures.style import (
     RANK_COLOURS,
     STYLE,
     new_figure,
+    source_note,
 )
 
 DROPPED_COLOUR = PALETTE["red"]
@@ -25,14 +25,6 @@ DROPPED_COLOUR = PALETTE["red"]
 
 BYTES_MAP = LinearSegmentedColormap.from_list("bytes", ["white", PALETTE["blue"]])
 """White (nothing sent) to blue (the most any pair of ranks exchanges)."""
-
-
-def _source(fig: Figure, source: str) -> None:
-    """Where the data comes from, in small grey type under the axes."""
-    if not source.strip():
-        raise ValueError("source must say where the numbers come from, got ''")
-    text = textwrap.fill(source, width=int(fig.get_size_inches()[0] * 17))
-    fig.supxlabel(text, x=0.01, ha="left", fontsize=7, color=MUTED_INK)
 
 
 def _check_loads(loads: Mapping[str, Sequence[int]]) -> int:
@@ -107,7 +99,7 @@ def expert_loads(
         ax.set_title(title, loc="left")
         if len(handles) > 1:
             ax.legend(handles=handles, loc="upper right", fontsize=8)
-        _source(fig, source)
+        source_note(fig, source)
     return fig
 
 
@@ -154,5 +146,5 @@ def all_to_all_matrix(
         for spine in ax.spines.values():
             spine.set_visible(False)
         ax.set_title(title, loc="left")
-        _source(fig, source)
+        source_note(fig, source)
     return fig

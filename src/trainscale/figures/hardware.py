@@ -19,6 +19,7 @@ from trainscale.figures.style import (
     RANK_COLOURS,
     STYLE,
     new_figure,
+    source_note,
 )
 
 NVLINK_COLOUR = PALETTE["blue"]
@@ -42,13 +43,6 @@ def _box(ax: Axes, x: float, y: float, w: float, h: float, text: str, colour: st
         )
     )
     ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", **kw)
-
-
-def _source(fig: Figure, source: str) -> None:
-    """Where the numbers come from, in small grey type under the axes."""
-    if not source.strip():
-        raise ValueError("source must say where the figure's numbers come from, got ''")
-    fig.supxlabel(source, fontsize=7.5, color=MUTED_INK)
 
 
 def _plain_axes() -> dict:
@@ -128,7 +122,7 @@ def node_diagram(
         )
         ax.text(0.55, (nic_y + 0.5 + gpu_y) / 2, "PCIe", fontsize=7, color=MUTED_INK, va="center")
         ax.set_title(f"One node of {gpus} {gpu}")
-        _source(fig, source)
+        source_note(fig, source)
     return fig
 
 
@@ -170,7 +164,7 @@ def gemm_tile_waves(
             handles.append(Patch(color=colours[w], label=label))
         fig.legend(handles=handles, loc="outside right center")
         fig.suptitle(title, fontweight="bold", fontsize=12)
-        _source(fig, source)
+        source_note(fig, source)
     return fig
 
 
@@ -226,7 +220,7 @@ def roofline(
         ax.set_ylabel(f"attainable {name} (log scale)")
         ax.legend(loc="lower right")
         ax.set_title(title)
-        _source(fig, source)
+        source_note(fig, source)
     return fig
 
 
@@ -263,5 +257,5 @@ def gemm_share_against_size(
         ax.set_xlabel("GEMM size n (an n x n by n x n product, log scale)")
         ax.set_ylabel("share of peak (%)")
         ax.set_title(title)
-        _source(fig, source)
+        source_note(fig, source)
     return fig

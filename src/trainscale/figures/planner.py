@@ -16,6 +16,7 @@ from trainscale.figures.style import (
     TIME_COLOURS,
     VERDICT_STYLES,
     BookFigure,
+    source_note,
 )
 from trainscale.memory import GIB, USABLE_MEMORY
 
@@ -186,12 +187,15 @@ def planner_calibration(
     estimates: Sequence[tuple[float, float, float]],
     groups: Sequence[str],
     title: str | None = None,
+    *,
+    source: str,
 ) -> Figure:
     """Predicted MFU range against published MFU, one vertical bar per run, on ``y = x``.
 
     ``published[i]`` is run ``i``'s published MFU; ``estimates[i]`` its ``(low, point,
     high)`` estimate (all shares of peak); ``groups[i]`` names its source, one colour
     per distinct source. A bar that crosses the line holds the published value.
+    ``source`` names where the published figures come from (printed under the axes).
     """
     if not (len(published) == len(estimates) == len(groups)) or not published:
         raise ValueError("published, estimates and groups must be non-empty and of one length")
@@ -226,12 +230,5 @@ def planner_calibration(
         ax.set_ylabel("planner's estimate (%): dot and range")
         ax.set_title(title or "The planner against published runs")
         ax.legend(fontsize=7, loc="upper left")
-        fig.text(
-            0.01,
-            0.0,
-            "Sources: Narayanan et al. 2021; Korthikanti et al. 2022; BigScience 2022; "
-            "Llama 3 2024.",
-            fontsize=7,
-            color=PALETTE["grey"],
-        )
+        source_note(fig, source, left=True)
     return fig

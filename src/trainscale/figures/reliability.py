@@ -3,7 +3,6 @@ simulated run that checks the formula."""
 
 from __future__ import annotations
 
-import textwrap
 from collections.abc import Mapping, Sequence
 
 import matplotlib.pyplot as plt
@@ -11,7 +10,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
 
-from trainscale.figures.style import INK, MUTED_INK, PALETTE, STYLE, new_figure
+from trainscale.figures.style import INK, PALETTE, STYLE, new_figure, source_note
 from trainscale.reliability import LOST_TIME_PARTS
 
 LOST_COLOURS = dict(
@@ -58,14 +57,6 @@ def _axes_style(ax: Axes, title: str, minutes: Sequence[float], percent: tuple[f
     _log_ticks(ax.xaxis, min(minutes) / 1.01, max(minutes) * 1.01)
     _log_ticks(ax.yaxis, *percent)
     ax.set_title(title, loc="left")
-
-
-def _source(fig: Figure, source: str) -> None:
-    """The data's source, in small grey type under the axes (kept in the layout)."""
-    if not source.strip():
-        raise ValueError("source must say where the failure rate comes from, got ''")
-    text = textwrap.fill(source, width=int(fig.get_size_inches()[0] * 17))
-    fig.supxlabel(text, x=0.01, ha="left", fontsize=7, color=MUTED_INK)
 
 
 def checkpoint_tradeoff(
@@ -126,7 +117,7 @@ def checkpoint_tradeoff(
         _axes_style(ax, title, minutes, (floor, top_percent))
         ax.set_ylim(floor, top_percent)
         fig.legend(loc="outside upper center", fontsize=8, ncols=3)
-        _source(fig, source)
+        source_note(fig, source, left=True)
     return fig
 
 
@@ -166,5 +157,5 @@ def simulated_intervals(
         shown = _percent([*simulated, *exact])
         _axes_style(ax, title, minutes, (min(shown) / 1.01, max(shown) * 1.01))
         fig.legend(loc="outside upper center", fontsize=8, ncols=3)
-        _source(fig, source)
+        source_note(fig, source, left=True)
     return fig

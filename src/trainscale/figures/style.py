@@ -7,6 +7,7 @@ colour-blind readers and in greyscale print.
 from __future__ import annotations
 
 import io
+import textwrap
 
 import matplotlib.pyplot as plt
 from matplotlib.axes import Axes
@@ -159,3 +160,16 @@ RANK_COLOURS = [
     PALETTE["grey"],
 ]
 """One colour per rank (up to 8), for data that came from that rank alone."""
+
+
+def source_note(fig: Figure, source: str, *, left: bool = False) -> None:
+    """Where a figure's numbers come from, in small grey type under its axes, kept in the
+    layout (``supxlabel``: constrained layout makes room for it below the x-label).
+    ``left`` wraps a long note to the figure's width and aligns it left."""
+    if not source.strip():
+        raise ValueError("source must say where the figure's numbers come from, got ''")
+    if left:
+        text = textwrap.fill(source, width=int(fig.get_size_inches()[0] * 17))
+        fig.supxlabel(text, x=0.01, ha="left", fontsize=7, color=MUTED_INK)
+    else:
+        fig.supxlabel(source, fontsize=7.5, color=MUTED_INK)

@@ -333,7 +333,7 @@ def check_buckets(
     """When DDP launches each gradient bucket's all-reduce during backward, and when
     each one completes.
 
-    DDP on the reference model (``memory.mlp_stack``, 16.8 MB of fp32 weights) with
+    DDP on the reference model (``memory.mlp_stack``, 16 MiB of fp32 weights) with
     buckets of ``bucket_cap_mb`` MiB, so that this small model fills several
     (the default, 25 MiB, would not). A communication hook wraps DDP's default
     all-reduce: it notes the launch, and chains a callback onto the all-reduce's
