@@ -48,3 +48,24 @@ def test_activations_against_batch_draws_one_line_per_series(no_pyplot_figures):
     assert list(ax.get_xticks()) == [1, 2, 4]
     assert ax.get_xlabel() == "batch size (examples)"
     svg_text(fig)
+
+
+def test_state_bars_stack_each_label_and_say_its_total(no_pyplot_figures):
+    # bytes per parameter of two recipes: 2 + 2 + 12 = 16 and 2 + 4 + 12 = 18
+    parts = {
+        "16-bit": {"weights": 2, "gradients": 2, "optimiser state": 12},
+        "fp32 gradients": {"weights": 2, "gradients": 4, "optimiser state": 12},
+    }
+    fig = figures.state_bars(parts, "recipes", unit="bytes per parameter")
+    ax = fig.axes[0]
+    assert [p.get_height() for p in ax.patches] == [2, 2, 12, 2, 4, 12]
+    assert [t.get_text() for t in ax.texts] == ["16 bytes per parameter", "18 bytes per parameter"]
+    assert ax.get_ylabel() == "bytes per parameter"
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["16-bit", "fp32 gradients"]
+    # against a GPU's capacity each bar says whether it fits, as the ZeRO stages' bars do
+    gpu = figures.state_bars({"a": {"weights": 50.0}, "b": {"weights": 90.0}}, "t", capacity=80.0)
+    texts = [t.get_text() for t in gpu.axes[0].texts]
+    assert texts[:2] == ["50.0 GiB\nfits", "90.0 GiB\ntoo big"] and "80.0" in texts[2]
+    with pytest.raises(ValueError, match="parts"):
+        figures.state_bars({}, "none")
+    svg_text(fig)

@@ -40,7 +40,7 @@ from trainscale.figures.hardware import (
     node_diagram,
     roofline,
 )
-from trainscale.figures.memory import activations_against_batch, memory_stack
+from trainscale.figures.memory import activations_against_batch, memory_stack, state_bars
 from trainscale.figures.mesh import device_mesh
 from trainscale.figures.pipeline import bubble_curves, pipeline_timelines, schedule_comparison
 from trainscale.figures.planner import (
@@ -129,6 +129,7 @@ __all__ = [
     "scaled_cast_histogram",
     "schedule_comparison",
     "simulated_intervals",
+    "state_bars",
     "step_breakdown",
     "step_durations",
     "step_timeline",

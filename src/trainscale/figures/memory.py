@@ -72,3 +72,76 @@ def activations_against_batch(
         ax.set_title("What autograd keeps grows linearly with the batch")
         ax.legend()
     return fig
+
+
+def _capacity_line(ax, capacity_gib: float, bars: int) -> None:
+    """The GPU's capacity as a labelled red line across ``bars`` bars."""
+    ax.axhline(capacity_gib, color=PALETTE["red"], linewidth=2, zorder=4)
+    ax.annotate(
+        f"GPU holds {capacity_gib:.1f} GiB",
+        (bars - 0.5, capacity_gib),
+        xytext=(-2, 4),
+        textcoords="offset points",
+        color=PALETTE["red"],
+        ha="right",
+        va="bottom",
+        zorder=5,
+        bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.85, "pad": 1},
+    )
+
+
+def state_bars(
+    parts: Mapping[str, Mapping[str, float]],
+    title: str,
+    *,
+    unit: str = "GiB",
+    capacity: float | None = None,
+) -> Figure:
+    """One stacked bar per label: the parts of a GPU's model state, in ``unit``.
+
+    ``parts`` maps a bar's label (a ZeRO stage, a mixed-precision recipe) to its parts
+    (keys of ``MEMORY_COLOURS``: weights, gradients, optimiser state), each in ``unit``
+    (GiB on a GPU, or bytes per parameter). With ``capacity`` (GiB), a red line marks
+    the GPU's and each bar says whether it fits; each bar is labelled with its total.
+    """
+    if not parts:
+        raise ValueError("parts must name at least one bar, got none")
+    with plt.rc_context({**STYLE, "axes.grid.axis": "y"}):
+        fig, ax = new_figure((7.0, 3.6))
+        labels = list(parts)
+        totals = []
+        for x, label in enumerate(labels):
+            bottom = 0.0
+            for part, size in parts[label].items():
+                ax.bar(
+                    x,
+                    size,
+                    bottom=bottom,
+                    width=0.6,
+                    color=MEMORY_COLOURS[part],
+                    label=part if x == 0 else None,
+                )
+                bottom += size
+            totals.append(bottom)
+        top = max([*totals, capacity or 0.0])
+        for x, total in enumerate(totals):
+            verdict = "" if capacity is None else "\nfits" if total <= capacity else "\ntoo big"
+            ax.annotate(
+                f"{total:g} {unit}{verdict}"
+                if capacity is None
+                else f"{total:.1f} {unit}{verdict}",
+                (x, total),
+                xytext=(0, 3),
+                textcoords="offset points",
+                ha="center",
+                va="bottom",
+            )
+        if capacity is not None:
+            _capacity_line(ax, capacity, len(labels))
+        ax.set_xticks(range(len(labels)), labels)
+        ax.set_xlim(-0.5, len(labels) - 0.5)
+        ax.set_ylim(0, top * 1.25)
+        ax.set_ylabel(f"{unit} on each GPU" if capacity is not None else unit)
+        ax.set_title(title)
+        fig.legend(loc="outside lower center", ncol=3)
+    return fig

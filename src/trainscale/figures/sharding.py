@@ -10,6 +10,7 @@ import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
+from trainscale.figures.memory import state_bars
 from trainscale.figures.style import (
     EDGE_GREY,
     INK,
@@ -33,55 +34,10 @@ def zero_stage_bars(
 
     ``parts_gib`` maps a stage's label (``"DDP"``, ``"ZeRO-1"``, ...) to its parts
     (keys of ``MEMORY_COLOURS``: weights, gradients, optimiser state) in GiB. A red
-    line marks the GPU's capacity; each bar is labelled with its total.
+    line marks the GPU's capacity; each bar is labelled with its total
+    (:func:`trainscale.figures.memory.state_bars`).
     """
-    with plt.rc_context({**STYLE, "axes.grid.axis": "y"}):
-        fig, ax = new_figure((7.0, 3.6))
-        stages = list(parts_gib)
-        totals = []
-        for x, stage in enumerate(stages):
-            bottom = 0.0
-            for part, gib in parts_gib[stage].items():
-                ax.bar(
-                    x,
-                    gib,
-                    bottom=bottom,
-                    width=0.6,
-                    color=MEMORY_COLOURS[part],
-                    label=part if x == 0 else None,
-                )
-                bottom += gib
-            totals.append(bottom)
-        top = max([*totals, capacity_gib])
-        for x, total in enumerate(totals):
-            verdict = "fits" if total <= capacity_gib else "too big"
-            ax.annotate(
-                f"{total:.1f} GiB\n{verdict}",
-                (x, total),
-                xytext=(0, 3),
-                textcoords="offset points",
-                ha="center",
-                va="bottom",
-            )
-        ax.axhline(capacity_gib, color=PALETTE["red"], linewidth=2, zorder=4)
-        ax.annotate(
-            f"GPU holds {capacity_gib:.1f} GiB",
-            (len(stages) - 0.5, capacity_gib),
-            xytext=(-2, 4),
-            textcoords="offset points",
-            color=PALETTE["red"],
-            ha="right",
-            va="bottom",
-            zorder=5,
-            bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.85, "pad": 1},
-        )
-        ax.set_xticks(range(len(stages)), stages)
-        ax.set_xlim(-0.5, len(stages) - 0.5)
-        ax.set_ylim(0, top * 1.25)
-        ax.set_ylabel("GiB on each GPU")
-        ax.set_title(title)
-        fig.legend(loc="outside lower center", ncol=3)
-    return fig
+    return state_bars(parts_gib, title, capacity=capacity_gib)
 
 
 _CELL = {
