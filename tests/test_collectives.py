@@ -1,12 +1,18 @@
 """collectives: the ring all-reduce and its halves, on every awkward length."""
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from trainscale.collectives import (
+    SEVEN_B_STEP,
+    SEVEN_B_TP_LAYER,
     AlphaBeta,
+    DataParallelSetup,
+    TensorParallelSetup,
     bus_bandwidth,
     data_parallel_step,
     dp_hiding_threshold_tokens,
@@ -306,3 +312,51 @@ def test_tp_ratio_halves_with_twice_the_width_or_the_link(t, h):
 def test_hiding_arguments_are_named(call, named):
     with pytest.raises(ValueError, match=named):
         call()
+
+
+def test_the_books_shared_7b_step_by_hand():
+    # 7e9 parameters, 8 GPUs, 4 x 4,096 = 16,384 tokens per GPU, 1e15 x 0.4, bf16, 100 GB/s:
+    # compute = 6 x 7e9 x 16,384 / 4e14 = 1.72032 s; backward 4/6 of it = 1.14688 s;
+    # all-reduce = 2 x 7/8 x 14e9 B / 1e11 B/s = 0.245 s; on 2 GPUs 2 x 1/2 x 0.14 s.
+    assert SEVEN_B_STEP.tokens_per_gpu == 16384
+    assert SEVEN_B_STEP.compute_seconds == pytest.approx(1.72032)
+    step = SEVEN_B_STEP.step()
+    assert step.backward_seconds == pytest.approx(1.14688)
+    assert step.all_reduce_seconds == pytest.approx(0.245)
+    assert SEVEN_B_STEP.step(gpus=2).all_reduce_seconds == pytest.approx(0.14)
+    assert SEVEN_B_STEP.step(gpus=1).all_reduce_seconds == 0.0
+
+
+def test_the_books_shared_tp_layer_by_hand():
+    # (t-1)/h x b/9 x peak x MFU / B = 7/4,096 x 2/9 x 4e14 / 4.5e11 = 0.33758 over NVLink;
+    # 9 times that over the 50 GB/s network: 3.0382.
+    assert SEVEN_B_TP_LAYER.comm_to_compute() == pytest.approx(0.33758, rel=1e-4)
+    network = SEVEN_B_TP_LAYER.network_bandwidth
+    assert SEVEN_B_TP_LAYER.comm_to_compute(network) == pytest.approx(3.0382, rel=1e-4)
+    # the same GPU as the data-parallel step
+    assert SEVEN_B_TP_LAYER.peak_flops == SEVEN_B_STEP.peak_flops
+    assert SEVEN_B_TP_LAYER.mfu == SEVEN_B_STEP.mfu
+
+
+@given(st.integers(1, 4096))
+def test_shared_step_backward_ignores_gpus_and_ring_stays_under_twice(gpus):
+    step = SEVEN_B_STEP.step(gpus=gpus)
+    assert step.backward_seconds == pytest.approx(SEVEN_B_STEP.step().backward_seconds)
+    gradients = SEVEN_B_STEP.params * SEVEN_B_STEP.bytes_per_gradient
+    assert step.all_reduce_seconds < 2 * gradients / SEVEN_B_STEP.link_bandwidth
+
+
+@pytest.mark.parametrize(
+    ("record", "change", "name"),
+    [
+        (SEVEN_B_STEP, {"mfu": 1.5}, "mfu"),
+        (SEVEN_B_STEP, {"gpus": 0}, "gpus"),
+        (SEVEN_B_STEP, {"link_bandwidth": 0}, "link_bandwidth"),
+        (SEVEN_B_TP_LAYER, {"shards": 0}, "shards"),
+        (SEVEN_B_TP_LAYER, {"network_bandwidth": -1.0}, "network_bandwidth"),
+    ],
+)
+def test_shared_records_refuse_bad_inputs(record, change, name):
+    assert isinstance(record, DataParallelSetup | TensorParallelSetup)
+    with pytest.raises(ValueError, match=name):
+        dataclasses.replace(record, **change)

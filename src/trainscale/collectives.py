@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from trainscale import _checks
-from trainscale.compute import FLOPS_PER_PARAM_PER_TOKEN, training_flops
+from trainscale.compute import FLOPS_PER_PARAM_PER_TOKEN, training_flops, training_seconds
 
 if TYPE_CHECKING:  # torch runs only where tensors do: the byte and time formulas need none
     import torch
@@ -441,6 +441,76 @@ def data_parallel_step(
     return DataParallelStep(backward, ring_factor(n) * n_params * size / link)
 
 
+@dataclass(frozen=True)
+class DataParallelSetup:
+    """The inputs of one data-parallel step, as a record the chapters share.
+
+    ``params`` parameters on ``gpus`` data-parallel GPUs, each processing
+    ``sequences_per_gpu`` sequences of ``seq_len`` tokens per step at ``mfu`` (0 to 1)
+    of a ``peak_flops`` FLOP/s peak; gradients travel as ``bytes_per_gradient`` bytes
+    each (2 for bf16) over a ring at ``link_bandwidth`` bytes/s per GPU (the bus
+    bandwidth, busbw, of chapter 6).
+    """
+
+    params: float
+    gpus: int
+    sequences_per_gpu: int
+    seq_len: int
+    peak_flops: float
+    mfu: float
+    bytes_per_gradient: float
+    link_bandwidth: float
+
+    def __post_init__(self) -> None:
+        _checks.count("params", self.params, minimum=1)
+        for name in ("gpus", "sequences_per_gpu", "seq_len"):
+            _checks.count(name, getattr(self, name), minimum=1)
+        _checks.positive("peak_flops", self.peak_flops)
+        _checks.positive("mfu", self.mfu, maximum=1.0)
+        _checks.positive("bytes_per_gradient", self.bytes_per_gradient)
+        _checks.positive("link_bandwidth", self.link_bandwidth)
+
+    @property
+    def tokens_per_gpu(self) -> int:
+        """Tokens each GPU processes per step: ``sequences_per_gpu * seq_len``."""
+        return self.sequences_per_gpu * self.seq_len
+
+    @property
+    def compute_seconds(self) -> float:
+        """Forward and backward seconds per GPU: ``6 * params * tokens_per_gpu / (peak * mfu)``."""
+        return training_seconds(self.params, self.tokens_per_gpu, 1, self.peak_flops, self.mfu)
+
+    def step(self, gpus: int | None = None) -> DataParallelStep:
+        """:func:`data_parallel_step` of this setup on ``gpus`` GPUs (default ``self.gpus``)."""
+        ranks = self.gpus if gpus is None else gpus
+        return data_parallel_step(
+            self.params,
+            self.tokens_per_gpu,
+            ranks,
+            self.bytes_per_gradient,
+            self.peak_flops,
+            self.mfu,
+            self.link_bandwidth,
+        )
+
+
+SEVEN_B_STEP = DataParallelSetup(
+    params=7e9,
+    gpus=8,
+    sequences_per_gpu=4,
+    seq_len=4096,
+    peak_flops=1000e12,
+    mfu=0.40,
+    bytes_per_gradient=2,
+    link_bandwidth=100e9,
+)
+"""The book's 7B data-parallel step, introduced in chapter 1 and used by chapters 6,
+8, 12 and 14: 7e9 parameters on 8 GPUs, 4 sequences of 4,096 tokens per GPU, a
+1,000 TFLOP/s peak (a round number near an H100's dense bf16) at an assumed 40 % MFU,
+bf16 gradients over an assumed 100 GB/s: 1.72 s of forward and backward per GPU, of
+which backward 1.15 s, and a 0.245 s gradient all-reduce."""
+
+
 TP_ALL_REDUCES_PER_LAYER = 4
 """Megatron-style tensor parallelism: one all-reduce after attention and one after
 the MLP in forward, and one for each of their input gradients in backward, each of
@@ -486,6 +556,60 @@ def tp_comm_to_compute(
     comm_seconds = TP_ALL_REDUCES_PER_LAYER * ring_factor(t) * h * size / link
     layer_flops = training_flops(TP_LAYER_WEIGHTS_PER_HIDDEN_SQUARED * h * h, 1)
     return comm_seconds / (layer_flops / t / rate)
+
+
+@dataclass(frozen=True)
+class TensorParallelSetup:
+    """The inputs of one tensor-parallel layer, as a record the chapters share.
+
+    A layer of width ``hidden`` split over ``shards`` GPUs, on a micro-batch of
+    ``tokens`` tokens whose activations travel as ``bytes_per_value`` bytes each (2 for
+    bf16); each GPU peaks at ``peak_flops`` FLOP/s and runs at ``mfu`` (0 to 1), and
+    sends at ``nvlink_bandwidth`` bytes/s each way inside a server and at
+    ``network_bandwidth`` bytes/s between servers.
+    """
+
+    hidden: int
+    shards: int
+    tokens: int
+    bytes_per_value: int
+    peak_flops: float
+    mfu: float
+    nvlink_bandwidth: float
+    network_bandwidth: float
+
+    def __post_init__(self) -> None:
+        for name in ("hidden", "shards", "tokens", "bytes_per_value"):
+            _checks.count(name, getattr(self, name), minimum=1)
+        _checks.positive("peak_flops", self.peak_flops)
+        _checks.positive("mfu", self.mfu, maximum=1.0)
+        _checks.positive("nvlink_bandwidth", self.nvlink_bandwidth)
+        _checks.positive("network_bandwidth", self.network_bandwidth)
+
+    def comm_to_compute(self, link_bandwidth: float | None = None) -> float:
+        """:func:`tp_comm_to_compute` of this layer over ``link_bandwidth`` bytes/s
+        (default ``nvlink_bandwidth``)."""
+        link = self.nvlink_bandwidth if link_bandwidth is None else link_bandwidth
+        return tp_comm_to_compute(
+            self.shards, self.hidden, self.peak_flops, self.mfu, link, self.bytes_per_value
+        )
+
+
+SEVEN_B_TP_LAYER = TensorParallelSetup(
+    hidden=4096,
+    shards=8,
+    tokens=4096,
+    bytes_per_value=2,
+    peak_flops=SEVEN_B_STEP.peak_flops,
+    mfu=SEVEN_B_STEP.mfu,
+    nvlink_bandwidth=450e9,
+    network_bandwidth=50e9,
+)
+"""Chapter 8's 7B-class layer, used again by chapter 10: width 4,096, 8-way tensor
+parallelism, one sequence of 4,096 tokens, bf16 activations, chapter 1's GPU (1,000
+TFLOP/s at 40 %), and assumed links of 450 GB/s (NVLink-class, inside a server) and
+50 GB/s (one 400 Gb/s network card per GPU, between servers): communication 0.34 x
+compute over NVLink, 3.04 x over the network."""
 
 
 # --- one tensor-parallel layer's collectives, with and without sequence parallelism (ch 8) -
