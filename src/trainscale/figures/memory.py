@@ -102,7 +102,8 @@ def state_bars(
     ``parts`` maps a bar's label (a ZeRO stage, a mixed-precision recipe) to its parts
     (keys of ``MEMORY_COLOURS``: weights, gradients, optimiser state), each in ``unit``
     (GiB on a GPU, or bytes per parameter). With ``capacity`` (GiB), a red line marks
-    the GPU's and each bar says whether it fits; each bar is labelled with its total.
+    the GPU's and each bar says whether it fits; each bar is labelled with its total
+    (the number alone without ``capacity``: the axis names the unit).
     """
     if not parts:
         raise ValueError("parts must name at least one bar, got none")
@@ -127,9 +128,7 @@ def state_bars(
         for x, total in enumerate(totals):
             verdict = "" if capacity is None else "\nfits" if total <= capacity else "\ntoo big"
             ax.annotate(
-                f"{total:g} {unit}{verdict}"
-                if capacity is None
-                else f"{total:.1f} {unit}{verdict}",
+                f"{total:g}" if capacity is None else f"{total:.1f} {unit}{verdict}",
                 (x, total),
                 xytext=(0, 3),
                 textcoords="offset points",
