@@ -266,7 +266,7 @@ def zero_accumulation_traffic(
                 ax.plot(ks, [v / unit for v in measured[name]], "o", color=colour, ms=6)
         ax.plot([], [], "o", color=INK, label="measured on gloo")
         ax.set_xticks(ks)
-        ax.set_xlabel("micro-batches per step (k)")
+        ax.set_xlabel("micro-batches per step (m)")
         ax.set_ylabel("bytes per step / DDP's")
         ax.set_ylim(0, None)
         ax.set_title(title)
