@@ -12,28 +12,28 @@ from trainscale.distributed import RankError
 from trainscale.workers import tensor_exercise as ex
 
 
-def gelu_after_the_sum(x, w_i, v_i):
-    z = x @ w_i @ v_i
+def gelu_after_the_sum(x, w_i, u_i):
+    z = x @ w_i @ u_i
     dist.all_reduce(z)
     return torch.nn.functional.gelu(z)
 
 
-def two_all_reduces(x, w_i, v_i):
+def two_all_reduces(x, w_i, u_i):
     hidden = x @ w_i
     dist.all_reduce(hidden)  # sums different hidden units
-    z = torch.nn.functional.gelu(hidden) @ v_i
+    z = torch.nn.functional.gelu(hidden) @ u_i
     dist.all_reduce(z)
     return z
 
 
-def gather_the_weights(x, w_i, v_i):
+def gather_the_weights(x, w_i, u_i):
     w_up = [torch.empty_like(w_i) for _ in range(dist.get_world_size())]
     dist.all_gather(w_up, w_i)
     return torch.nn.functional.gelu(x @ torch.cat(w_up, dim=1))
 
 
-def no_all_reduce(x, w_i, v_i):
-    return torch.nn.functional.gelu(x @ w_i) @ v_i
+def no_all_reduce(x, w_i, u_i):
+    return torch.nn.functional.gelu(x @ w_i) @ u_i
 
 
 @pytest.mark.slow
@@ -55,7 +55,7 @@ def test_the_reference_passes_and_four_wrong_mlps_say_why():
     # Two calls: the 6 x 12 hidden slice (576 bytes) and the 6 x 8 output (384): 960.
     assert "PROBLEM: dist.all_reduce calls per rank [2, 2, 2, 2], [960, 960, 960, 960]" in twice
     assert "PROBLEM: on every rank, your parallel_mlp called dist.all_gather" in gather
-    assert "the output is the rank's own partial output GELU(X W_i) V_i alone" in partial
+    assert "the output is the rank's own partial output GELU(X W_i) U_i alone" in partial
     assert "PROBLEM: dist.all_reduce calls per rank [0, 0, 0, 0]" in partial
     wrong = (after, twice, gather, partial)
     assert all(text.endswith("not yet: see the problems above") for text in wrong)

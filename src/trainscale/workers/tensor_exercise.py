@@ -1,10 +1,10 @@
 """Chapter 8's exercise: a reader's tensor-parallel MLP forward, checked on real ranks.
 
-The reader writes ``parallel_mlp(x, w_i, v_i)`` in chapter 8's notation: each of the
+The reader writes ``parallel_mlp(x, w_i, u_i)`` in chapter 8's notation: each of the
 ``t`` ranks holds the whole input ``x`` (tokens x h, float64), its column block ``W_i``
-of ``W_up`` and the matching row block ``V_i`` of ``W_down``, and returns
+of ``W_up`` and the matching row block ``U_i`` of ``W_down``, and returns
 ``Z = GELU(X W_up) W_down`` on every rank with exactly **one** ``dist.all_reduce``, of the
-partial output ``GELU(X W_i) V_i``, as Megatron's MLP does (``ColumnParallelLinear`` with
+partial output ``GELU(X W_i) U_i``, as Megatron's MLP does (``ColumnParallelLinear`` with
 ``gather_output=False``, the activation, ``RowParallelLinear``, whose forward all-reduces).
 
 :func:`check_parallel_mlp` runs it on 4 gloo ranks (:func:`exercise_inputs`: seeded) and
@@ -48,7 +48,7 @@ REFUSED = tuple(n for n in (*POINT_TO_POINT, *COLLECTIVES) if n != "all_reduce")
 
 _WHY = (
     "your parallel_mlp called dist.{name}: each rank computes with its own blocks W_i and"
-    " V_i only, and one dist.all_reduce sums the partial outputs (gathering the weights"
+    " U_i only, and one dist.all_reduce sums the partial outputs (gathering the weights"
     " or the hidden layer puts back on every rank what tensor parallelism splits)"
 )
 
@@ -58,7 +58,7 @@ _HANG_HINT = (
 )
 
 ParallelMLP = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-"""``parallel_mlp(x, w_i, v_i)``: the whole output ``Z``, on every rank."""
+"""``parallel_mlp(x, w_i, u_i)``: the whole output ``Z``, on every rank."""
 
 
 def exercise_inputs(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -76,7 +76,7 @@ def shard(
     w_up: torch.Tensor, w_down: torch.Tensor, rank: int, ranks: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank ``rank``'s blocks of ``ranks``: columns ``rank * f .. (rank + 1) * f - 1`` of
-    ``W_up`` (``W_i``) and the same rows of ``W_down`` (``V_i``), ``f = FFN / ranks``."""
+    ``W_up`` (``W_i``) and the same rows of ``W_down`` (``U_i``), ``f = FFN / ranks``."""
     n = _checks.count("ranks", ranks, minimum=1)
     if w_up.shape[1] % n:
         raise ValueError(f"ranks must divide the MLP width {w_up.shape[1]}, got {ranks}")
@@ -97,7 +97,7 @@ def worker(rank: int, world_size: int, solutions: Sequence[tuple[str, str]], see
     function, its output (on the CPU), its ``all_reduce`` calls and the bytes it put
     into them, or the error it raised (a refused collective's message)."""
     x, w_up, w_down = exercise_inputs(seed)
-    w_i, v_i = shard(w_up, w_down, rank, world_size)
+    w_i, u_i = shard(w_up, w_down, rank, world_size)
     dev = device()
     sent: dict[str, int] = {}
     watch_communication(sent, refuse=REFUSED, why=_WHY)
@@ -106,7 +106,7 @@ def worker(rank: int, world_size: int, solutions: Sequence[tuple[str, str]], see
         sent.clear()
         try:
             parallel_mlp = load_reader_function(source, name, {"torch": torch, "dist": dist})
-            got = parallel_mlp(*(t.to(dev).clone() for t in (x, w_i, v_i)))
+            got = parallel_mlp(*(t.to(dev).clone() for t in (x, w_i, u_i)))
         except Exception as error:  # a refused collective says why; others, what was raised
             raised = f"your parallel_mlp raised {type(error).__name__}: {error}"
             found.append({"error": str(error) if isinstance(error, ExerciseError) else raised})
@@ -124,12 +124,12 @@ def known_mistakes(
     gelu = torch.nn.functional.gelu
     blocks = [shard(w_up, w_down, r, ranks) for r in range(ranks)]
     hidden_sum = sum(x @ w for w, _ in blocks)
-    w_i, v_i = blocks[rank]
+    w_i, u_i = blocks[rank]
     return [
         (
             gelu(x @ w_up @ w_down),
             "is GELU(X W_up W_down), GELU applied after the sum: apply it to your slice"
-            " X W_i before V_i (each hidden unit is whole there; GELU(u + v) is not"
+            " X W_i before U_i (each hidden unit is whole there; GELU(u + v) is not"
             " GELU(u) + GELU(v), so GELU does not commute with the sum)",
         ),
         (
@@ -139,8 +139,8 @@ def known_mistakes(
             " partial output does",
         ),
         (
-            gelu(x @ w_i) @ v_i,
-            "is the rank's own partial output GELU(X W_i) V_i alone: sum the partial outputs"
+            gelu(x @ w_i) @ u_i,
+            "is the rank's own partial output GELU(X W_i) U_i alone: sum the partial outputs"
             " of all ranks with one dist.all_reduce",
         ),
         (
@@ -214,7 +214,7 @@ def _report(found: list[dict], seed: int, title: str) -> ExerciseReport:
         )
     else:
         hint = (
-            "no all-reduce leaves each rank with only its partial output GELU(X W_i) V_i"
+            "no all-reduce leaves each rank with only its partial output GELU(X W_i) U_i"
             if not any(calls)
             else "the hidden slice X W_i needs no communication, only the partial output"
         )
@@ -256,12 +256,12 @@ def check_parallel_mlp(
     return check_parallel_mlps([function], ranks, timeout=timeout)[0]
 
 
-def reference_parallel_mlp(x, w_i, v_i):
+def reference_parallel_mlp(x, w_i, u_i):
     """The reference solution: GELU of my slice, my partial output, one all-reduce."""
     import torch
     import torch.distributed as dist
 
-    z = torch.nn.functional.gelu(x @ w_i) @ v_i  # my partial output, (tokens, h)
+    z = torch.nn.functional.gelu(x @ w_i) @ u_i  # my partial output, (tokens, h)
     dist.all_reduce(z)  # the sum over the ranks: Z, on every rank
     return z
 
