@@ -99,7 +99,7 @@ def expert_loads(
         ax.set_title(title, loc="left")
         if len(handles) > 1:
             ax.legend(handles=handles, loc="upper right", fontsize=8)
-        source_note(fig, source)
+        source_note(fig, source, left=True)
     return fig
 
 
@@ -146,5 +146,5 @@ def all_to_all_matrix(
         for spine in ax.spines.values():
             spine.set_visible(False)
         ax.set_title(title, loc="left")
-        source_note(fig, source)
+        source_note(fig, source, left=True)
     return fig
