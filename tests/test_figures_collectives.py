@@ -77,7 +77,7 @@ def test_ring_step_is_byte_identical_from_run_to_run():
 def test_bandwidth_figure_has_both_curves():
     fig = figures.bandwidth_against_size([4096, 2**20], [0.01, 0.5], [0.015, 0.75], 4)
     labels = [line.get_label() for line in fig.axes[0].get_lines()]
-    assert labels == ["busbw = algbw x 2(N-1)/N", "algbw = bytes / time"]
+    assert labels == ["busbw = algbw x 2(n-1)/n", "algbw = bytes / time"]
 
 
 def test_alpha_beta_figure_draws_the_points_the_fit_and_both_terms():

@@ -252,13 +252,13 @@ def bandwidth_against_size(
     """Measured all-reduce bandwidth (GB/s) against message size (bytes), log scale.
 
     ``algbw`` is bytes per second of the tensor, ``busbw`` nccl-tests' bus
-    bandwidth, ``algbw * 2(N-1)/N``, both in GB/s.
+    bandwidth, ``algbw * 2(n-1)/n``, both in GB/s.
     """
     labels = [f"{s // 2**20} MiB" if s >= 2**20 else f"{s // 2**10} KiB" for s in sizes]
     with plt.rc_context({**STYLE, "axes.grid.axis": "y"}):
         fig = BookFigure(figsize=(7.0, 3.4), layout="constrained")
         ax = fig.add_subplot()
-        ax.plot(sizes, busbw, marker="o", color=PALETTE["blue"], label="busbw = algbw x 2(N-1)/N")
+        ax.plot(sizes, busbw, marker="o", color=PALETTE["blue"], label="busbw = algbw x 2(n-1)/n")
         ax.plot(sizes, algbw, marker="s", color=PALETTE["orange"], label="algbw = bytes / time")
         ax.set_xscale("log", base=2)
         ax.set_xticks(list(sizes), labels)
@@ -276,8 +276,8 @@ def alpha_beta_fit(sizes: Sequence[float], seconds: Sequence[float], fit: AlphaB
 
     ``sizes`` in bytes, ``seconds`` per all-reduce, ``fit`` from
     :func:`trainscale.collectives.fit_alpha_beta`. The model's two terms are drawn
-    apart (latency ``2(N-1) alpha``, flat; bandwidth ``2(N-1)/N S/B``, rising) and a
-    vertical line marks where they cross, ``S* = N alpha B``.
+    apart (latency ``2(n-1) alpha``, flat; bandwidth ``2(n-1)/n S/beta``, rising) and a
+    vertical line marks where they cross, ``S* = n alpha beta``.
     """
     low, high = min(sizes) / 2, max(sizes) * 2
     grid = [low * (high / low) ** (k / 60) for k in range(61)]
@@ -285,24 +285,29 @@ def alpha_beta_fit(sizes: Sequence[float], seconds: Sequence[float], fit: AlphaB
     with plt.rc_context({**STYLE, "axes.grid.axis": "both"}):
         fig, ax = new_figure((7.0, 3.6))
         ax.plot(sizes, [t * 1e3 for t in seconds], "o", color=PALETTE["blue"], label="measured")
-        ax.plot(grid, [fit.seconds(s) * 1e3 for s in grid], color=INK, label=r"fit: $\tau(S)$")
+        ax.plot(
+            grid,
+            [fit.seconds(s) * 1e3 for s in grid],
+            color=INK,
+            label=r"fit: $\tau_\text{coll}(S)$",
+        )
         ax.plot(
             grid,
             [latency_term * 1e3] * len(grid),
             ls="--",
             color=PALETTE["orange"],
-            label=r"latency term $2(N-1)\alpha$",
+            label=r"latency term $2(n-1)\alpha$",
         )
         ax.plot(
             grid,
             [(fit.seconds(s) - latency_term) * 1e3 for s in grid],
             ls="--",
             color=PALETTE["green"],
-            label=r"bandwidth term $\frac{2(N-1)}{N} \cdot S/B$",
+            label=r"bandwidth term $\frac{2(n-1)}{n} \cdot S/\beta$",
         )
         ax.axvline(fit.crossover_bytes, color=MUTED_INK, lw=1, ls=":")
         ax.annotate(
-            r"$S^* = N\alpha B$",
+            r"$S^* = n\alpha\beta$",
             (fit.crossover_bytes, latency_term * 1e3),
             xytext=(6, -14),
             textcoords="offset points",
