@@ -147,14 +147,6 @@ def test_the_correct_answer_is_not_always_in_the_same_place():
 # a longer line scrolls sideways. Cells whose input the site hides are exempt.
 CODE_COLUMNS = 75
 HIDDEN_INPUT = {"hide-input", "remove-input", "remove-cell"}
-# Not yet reformatted at 75 columns; the lead empties this list (and notebooks/ruff.toml's).
-WIDE_FOR_NOW = {
-    "03_activation_checkpointing",
-    "06_collectives",
-    "08_tensor_parallelism",
-    "11_expert_parallelism",
-    "14_compute_budget",
-}
 PAGES = NOTEBOOKS + sorted((ROOT / "book").glob("*.ipynb"))
 
 
@@ -173,10 +165,7 @@ def _wide_lines(nb: dict) -> list[str]:
 @pytest.mark.parametrize("path", PAGES, ids=lambda p: p.name)
 def test_reader_visible_code_fits_the_site_column(path):
     wide = _wide_lines(json.loads(path.read_text()))
-    if path.stem in WIDE_FOR_NOW:
-        assert wide, f"{path.name} fits in {CODE_COLUMNS} columns: take it off WIDE_FOR_NOW"
-    else:
-        assert not wide, "\n".join(wide)
+    assert not wide, "\n".join(wide)
 
 
 def test_wide_lines_are_found():
