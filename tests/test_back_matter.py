@@ -65,3 +65,12 @@ def test_every_glossary_entry_is_short_and_links_where_it_is_taught():
         assert "{doc}`" in definition or "`trainscale." in definition, term
         sentences = re.sub(r"\{doc\}`[^`]*`|`[^`]*`|\$[^$]*\$", "x", definition)
         assert len(re.findall(r"[.!?](\s|$)", sentences)) <= 4, f"{term}: keep it short"
+
+
+def test_every_chapter_opens_with_a_margin_note_linking_the_back_matter():
+    # besides the sidebar, each chapter's first cell points at every back-matter page
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        first = "".join(json.loads(path.read_text())["cells"][0]["source"])
+        margin = first[first.index(":::{margin}") :]
+        linked = re.findall(r"<\.\./(book/\w+)>", margin)
+        assert sorted(linked) == sorted(BACK_MATTER), path.name
