@@ -179,3 +179,46 @@ def test_wide_lines_are_found():
         f"code cell {i} (85 characters): {long}" for i in (0, 1)
     ]
     assert _wide_lines({"cells": [hidden, {"cell_type": "markdown", "source": [long]}]}) == []
+
+
+# Bookkeeping out of the reader's way (#25 §3): long set-up, table and check cells
+# show their output but hide their code; checks with nothing else to say collapse.
+# Both limits are ratchets, today's maxima: lower them as cells are hidden, never raise.
+LONGEST_SHOWN_CELL = 39  # lines: chapter 17's code cell 9 (chapter 11's cell 4: 35)
+MOST_SHOWN_TRUE_LINES = 27  # printed lines with "True", per notebook: chapter 9
+CODE_SHOWN = {"hide-input", "hide-cell", "remove-input", "remove-cell"}
+OUTPUT_SHOWN = {"hide-output", "hide-cell", "remove-output", "remove-cell"}
+
+
+def _shown(nb: dict) -> tuple[int, int]:
+    """(lines of the longest code cell whose code the site shows, printed lines that
+    contain "True" in outputs the site shows)."""
+    longest = true_lines = 0
+    for cell in _code_cells(nb):
+        tags = set(cell["metadata"].get("tags", []))
+        if not tags & CODE_SHOWN:
+            longest = max(longest, len("".join(cell["source"]).split("\n")))
+        if not tags & OUTPUT_SHOWN:
+            for output in cell["outputs"]:
+                text = "".join(output.get("text", "")) if output["output_type"] == "stream" else ""
+                true_lines += sum("True" in line for line in text.split("\n"))
+    return longest, true_lines
+
+
+def test_shown_code_is_short_and_checks_do_not_crowd_the_page(notebook):
+    longest, true_lines = _shown(notebook)
+    assert longest <= LONGEST_SHOWN_CELL, f"a shown code cell of {longest} lines: hide-input?"
+    assert true_lines <= MOST_SHOWN_TRUE_LINES, f"{true_lines} shown 'True' lines: hide-cell?"
+
+
+def test_shown_cells_and_lines_are_counted():
+    """Hidden code does not count as shown; its output does, unless the cell collapses."""
+    printed = {"output_type": "stream", "name": "stdout", "text": ["a: True\n", "b: 3\n"]}
+    cell = {"cell_type": "code", "source": ["x = 1\n", "print(x)"], "outputs": [printed]}
+    shown = {**cell, "metadata": {}}
+    hidden_code = {**cell, "metadata": {"tags": ["hide-input"]}}
+    collapsed = {**cell, "metadata": {"tags": ["hide-cell"]}}
+    # 2 source lines; 1 printed line of 3 (the text ends in a newline) has "True"
+    assert _shown({"cells": [shown]}) == (2, 1)
+    assert _shown({"cells": [hidden_code, hidden_code]}) == (0, 2)
+    assert _shown({"cells": [collapsed]}) == (0, 0)
