@@ -625,3 +625,19 @@ def test_check_memory_refuses_a_command_its_gpu_cannot_hold():
     assert not holds
     assert lines[-2] == "  the tracker's total does not fit the GPU's 0.0 GiB"
     assert lines[-1] == "refused: the command would run out of memory"
+
+
+def test_the_command_comes_from_further_down_the_runners_ranking_if_needed(monkeypatch):
+    # the runner's own fastest layout for the book's 70B, found by scanning its ranking
+    request = planner_cli.parse(["--model", "70b", "--top", "1"])
+    rank, layout, _ = planner_cli._first_runnable(request)
+    assert rank == 1 and layout == planner_cli._runner_best(request)[0]
+    # when none of the layouts shown runs, the command is for the first one that does
+    monkeypatch.setattr(planner_cli, "_runner_best", lambda request: [])
+    text = "\n".join(planner_cli.report(request)[0])
+    assert "note: the fastest layout trainscale.train runs is number 1 on its stack" in text
+    assert f"to train layout 1, {layout.name.replace(chr(215), 'x')}" in text
+    # three sequences on 64 GPUs: no layout the runner can hold runs (DP 1, and an
+    # interleaved pipeline needs a multiple of its stages in micro-batches)
+    few = planner_cli.parse(["--model", "70b", "--global-batch", "3"])
+    assert planner_cli._first_runnable(few) is None

@@ -240,6 +240,29 @@ def _runnable(
     return None, notes, True
 
 
+RUNNER_SCAN = 200
+"""How many of its own stack's fastest layouts the command line tries, in order, for one
+the capstone runs, when none of those it shows does."""
+
+
+def _first_runnable(request: Request) -> tuple[int, planner.Layout, bool] | None:
+    """The place (from 1) among the capstone's own stack's fastest :data:`RUNNER_SCAN`
+    layouts of the first one it runs, that layout, and whether its checks ran; ``None``
+    when none of them runs (:func:`_runnable`)."""
+    ranked = planner.top_layouts(_search(request, RUNNER_SOFTWARE), count=RUNNER_SCAN)
+    for rank, layout in enumerate(ranked, start=1):
+        place, _, checked = _runnable([layout], request)
+        if place is not None:
+            return rank, layout, checked
+    return None
+
+
+def _summary(layout: planner.Layout) -> str:
+    """One layout in a line: its shape, settings and estimated MFU."""
+    depth = f", V {layout.virtual_stages}" if layout.pp > 1 else ""
+    return f"{layout.name.replace(chr(215), 'x')}, {layout.settings}{depth}, MFU {layout.mfu:.1%}"
+
+
 def _tracked_lines(layout: planner.Layout, request: Request) -> tuple[list[str], bool]:
     """``--check-memory``: the command's step for ``layout`` under torch's memory tracker
     on a fake world of its full size (:func:`trainscale.train.estimate.estimate_memory`),
@@ -435,13 +458,23 @@ def _report(request: Request, data: dict) -> tuple[list[str], bool]:
         table = layout_table(best, ranges)
     else:
         table = []
+    label = None if place is None else place + 1
+    if place is None:
+        found = _first_runnable(request)
+        if found is not None:
+            label, layout, checked = found
+            notes.append(
+                f"the fastest layout trainscale.train runs is number {label} on its stack"
+                f" (software {RUNNER_SOFTWARE}): {_summary(layout)}"
+            )
+            best, place = [*best, layout], len(best)
     data["notes"] = notes
     lines += [*(f"note: {note}" for note in notes), *table, *([""] if notes else [])]
     if place is None:
         return [*lines, "none of these layouts runs with trainscale.train as it is"], False
     chosen = best[place]
     where = "on each node run" if request.cluster.nodes > 1 else "run"
-    lines += [f"to train layout {place + 1}, {chosen.name.replace(chr(215), 'x')}, {where}", ""]
+    lines += [f"to train layout {label}, {chosen.name.replace(chr(215), 'x')}, {where}", ""]
     lines += [cluster_command(chosen, request), "", *_shape_note(request.model)]
     if request.check_memory:
         tracked, holds = _tracked_lines(chosen, request)
@@ -450,7 +483,7 @@ def _report(request: Request, data: dict) -> tuple[list[str], bool]:
         if not holds:
             return lines, False
     data["command"] = {
-        "layout": place + 1,
+        "layout": label,
         "where": where,
         "text": cluster_command(chosen, request),
         "checked": checked,
