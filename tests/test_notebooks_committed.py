@@ -185,7 +185,7 @@ def test_wide_lines_are_found():
 # show their output but hide their code; checks with nothing else to say collapse.
 # Both limits are ratchets, today's maxima: lower them as cells are hidden, never raise.
 LONGEST_SHOWN_CELL = 35  # lines: chapter 11's code cell 4
-MOST_SHOWN_TRUE_LINES = 13  # printed lines with "True", per notebook: chapter 5
+MOST_SHOWN_TRUE_LINES = 8  # printed lines with "True", per notebook: chapter 12
 CODE_SHOWN = {"hide-input", "hide-cell", "remove-input", "remove-cell"}
 OUTPUT_SHOWN = {"hide-output", "hide-cell", "remove-output", "remove-cell"}
 
