@@ -1195,6 +1195,7 @@ def test_a_published_shape_ranks_where_the_search_puts_it():
     model, cluster = P.published_model(run), P.published_cluster(run)
     assert P.context_parallel_degrees(model, cluster, run.software) != (1,)
     assert P.shape_rank(run) == 1
+    assert P.ranked_search(run)[0].shape == (run.tp, run.pp, run.dp)
     assert P.shape_rank(run, search_context_parallel=True) == 1
     # a shape that breaks a rule ranks nowhere: DP 8 cannot split a batch of 4 sequences
     assert P.shape_rank(dataclasses.replace(run, global_batch=4)) is None

@@ -186,14 +186,14 @@ def _at_shape(
     return _best(candidates)
 
 
-def shape_rank(run: PublishedRun, search_context_parallel: bool = False) -> int | None:
-    """Place of the run's TP x PP x DP among the shapes :func:`plan` ranks first for its
-    model, GPUs and batch under the defaults a user of ``python -m trainscale.planner
-    --software`` gets (the run's software; every interleaving depth, ZeRO stage,
-    recomputation mode and micro-batch the defaults try; the default bubble limit; the
-    central unknowns), at the run's CP degree, or with ``search_context_parallel`` every
-    degree the command line tries by default (:func:`context_parallel_degrees`); ``None``
-    when it is not among the shapes that fit."""
+@functools.lru_cache(maxsize=64)
+def ranked_search(run: PublishedRun, search_context_parallel: bool = False) -> tuple[Layout, ...]:
+    """The layouts that fit the run's model, GPUs and batch, fastest first, under the
+    defaults a user of ``python -m trainscale.planner --software`` gets (the run's
+    software; every interleaving depth, ZeRO stage, recomputation mode and micro-batch the
+    defaults try; the default bubble limit; the central unknowns), at the run's CP degree,
+    or with ``search_context_parallel`` every degree the command line tries by default
+    (:func:`context_parallel_degrees`)."""
     cluster = published_cluster(run)
     layouts = plan(
         published_model(run),
@@ -204,7 +204,13 @@ def shape_rank(run: PublishedRun, search_context_parallel: bool = False) -> int 
         context_parallel=None if search_context_parallel else (run.cp or 1,),
         tensor_parallel=range(1, cluster.gpus_per_node + 1),  # wider: never fits, never ranks
     )
-    shapes = [lay.shape for lay in top_layouts(layouts, count=len(layouts))]
+    return tuple(top_layouts(layouts, count=len(layouts)))
+
+
+def shape_rank(run: PublishedRun, search_context_parallel: bool = False) -> int | None:
+    """Place of the run's TP x PP x DP among the shapes of :func:`ranked_search`;
+    ``None`` when it is not among the shapes that fit."""
+    shapes = [lay.shape for lay in ranked_search(run, search_context_parallel)]
     shape = (run.tp, run.pp, run.dp)
     return shapes.index(shape) + 1 if shape in shapes else None
 

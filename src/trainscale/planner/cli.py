@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import io
 import json
 import math
@@ -249,8 +250,7 @@ def _first_runnable(request: Request) -> tuple[int, planner.Layout, bool] | None
     """The place (from 1) among the capstone's own stack's fastest :data:`RUNNER_SCAN`
     layouts of the first one it runs, that layout, and whether its checks ran; ``None``
     when none of them runs (:func:`_runnable`)."""
-    ranked = planner.top_layouts(_search(request, RUNNER_SOFTWARE), count=RUNNER_SCAN)
-    for rank, layout in enumerate(ranked, start=1):
+    for rank, layout in enumerate(_runner_ranked(request), start=1):
         place, _, checked = _runnable([layout], request)
         if place is not None:
             return rank, layout, checked
@@ -296,10 +296,18 @@ def _search(request: Request, software: Software | str) -> list[planner.Layout]:
     return layouts
 
 
+@functools.lru_cache(maxsize=8)
+def _runner_ranked(request: Request) -> tuple[planner.Layout, ...]:
+    """The fastest :data:`RUNNER_SCAN` (or ``--top``) layouts on the capstone's own
+    stack, searched once per request for :func:`_runner_best` and :func:`_first_runnable`."""
+    count = max(RUNNER_SCAN, request.top)
+    return tuple(planner.top_layouts(_search(request, RUNNER_SOFTWARE), count=count))
+
+
 def _runner_best(request: Request) -> list[planner.Layout]:
     """The fastest layouts on the capstone's own stack, where none planned for
     ``request.software`` runs there."""
-    return planner.top_layouts(_search(request, RUNNER_SOFTWARE), count=request.top)
+    return list(_runner_ranked(request)[: request.top])
 
 
 def _published_lines(run: PublishedRun, layouts: Sequence[planner.Layout]) -> list[str]:

@@ -110,15 +110,22 @@ def _contribution(name: str, args: tuple, kwargs: dict) -> torch.Tensor | None:
 
 
 def watch_communication(
-    sent: dict[str, int], refuse: tuple[str, ...] = (), why: str = "{name}"
+    sent: dict[str, int],
+    refuse: tuple[str, ...] = (),
+    why: str = "{name}",
+    allow: tuple[str, ...] | None = None,
 ) -> None:
     """Make every send and collective of ``torch.distributed`` count, in ``sent``, the
     bytes this rank puts into it, under the function's name (a call whose input is a
     list counts no bytes, only the call, as ``sent[name + " calls"]``); a function
     named in ``refuse`` raises :class:`ExerciseError` with ``why`` (formatted with
-    ``name``) instead. For a rank's process only: it patches the module for good.
+    ``name``) instead; with ``allow``, every send and collective not named there is
+    refused. For a rank's process only: it patches the module for good.
     """
     from torch.distributed import distributed_c10d
+
+    if allow is not None:
+        refuse = tuple(n for n in (*POINT_TO_POINT, *COLLECTIVES) if n not in allow)
 
     busy = [False]  # send() calls isend(): count the outer call only
 
