@@ -2,12 +2,15 @@
 
 import dataclasses
 import functools
+import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from trainscale import planner as P
 from trainscale.memory import saved_activation_bytes
@@ -15,6 +18,7 @@ from trainscale.parallel import layer_collectives
 from trainscale.planner.kernels import _layer_times, _roofline
 from trainscale.planner.memory import (
     eager_layer_activation_bytes,
+    eager_layer_traffic_bytes,
     every_other_matmul_bytes,
     every_other_matmul_share,
 )
@@ -258,6 +262,69 @@ def test_an_eager_llama_block_keeps_what_the_planner_counts():
     # Korthikanti et al.'s count for fused kernels keeps markedly less for this layer
     fused = P.layer_activation_bytes(s, b, h, a, 1, False, "none", **model.layer_shape)
     assert fused < 0.8 * counted
+
+
+_NO_TRAFFIC = {"mm", "bmm", "addmm", "detach", "_unsafe_view"}  # matrix products; no copy
+
+
+class _ElementwiseBytes(TorchDispatchMode):
+    """Bytes every ATen op reads and writes, forward and backward, but the matrix
+    products, the attention kernel and views (a broadcast operand counted once)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.moved = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if func.is_view or name in _NO_TRAFFIC or name.startswith("_scaled_dot_product"):
+            return out
+        tensors = [x for x in tree_flatten((args, kwargs, out))[0] if isinstance(x, torch.Tensor)]
+        for x in tensors:
+            touched = [n for n, stride in zip(x.shape, x.stride(), strict=True) if stride]
+            self.moved += math.prod(touched) * x.element_size()
+        return out
+
+
+def _eager_block_bytes(s: int, b: int, h: int, a: int, kv: int, f: int) -> int:
+    torch.manual_seed(0)
+    block = _EagerLlamaBlock(h, a, kv, f, s).to(torch.bfloat16)
+    x = torch.randn(b, s, h, dtype=torch.float64).to(torch.bfloat16).requires_grad_()
+    gradient = torch.ones_like(x)
+    with _ElementwiseBytes() as counter:
+        block(x).backward(gradient)
+    return counter.moved
+
+
+def test_an_eager_llama_block_moves_what_the_planner_counts():
+    # 346 h + 48 k + 28 f bytes per token: h 256, k 64, f 896: 116,736. The slope between
+    # two lengths drops the weights; what the count leaves out is 32 fp32 norm statistics
+    # (128 bytes) per token and the rotation table, 8 reads of d/2 complex64 per position.
+    h, a, kv, f, b = 256, 8, 2, 896, 2
+    d = h // a
+    per_token = _eager_block_bytes(128, b, h, a, kv, f) - _eager_block_bytes(64, b, h, a, kv, f)
+    per_token /= 64 * b
+    model = P.Model(10**9, 1, h, a, 64, 64, kv_heads=kv, ffn_hidden=f, gated_mlp=True)
+    forward, backward = eager_layer_traffic_bytes(model, 1, 1, 1, False)
+    assert (forward, backward) == (108 * h + 24 * 64 + 10 * f, 238 * h + 24 * 64 + 18 * f)
+    assert forward + backward == 116_736
+    llama = P.LLAMA3["8B"]  # h 4,096, k 1,024, f 14,336: 1.9 MB, against 0.14 MB kept (fused)
+    assert sum(eager_layer_traffic_bytes(llama, 1, 1, 1, False)) == 1_867_776
+    fused = P.layer_activation_bytes(1, 1, 4096, 32, 1, False, "none", **llama.layer_shape)
+    assert fused == 139_392
+    assert per_token == forward + backward + 128 + 8 * (d // 2) * 8 / b
+
+
+@given(st.sampled_from([1, 2, 4, 8]), st.booleans())
+def test_eager_traffic_splits_over_tensor_parallel_ranks(t: int, sp: bool):
+    model, s = P.LLAMA3["8B"], 8192
+    whole = sum(eager_layer_traffic_bytes(model, s, 1, 1, sp))
+    split = sum(eager_layer_traffic_bytes(model, s, 1, t, sp))
+    kept_whole = 18 * model.hidden * s  # the gradient sums, on the gathered sequence
+    if not sp:  # the norms (36 h + 92 h each) and the residual adds (4 x 6 h) too
+        kept_whole += (2 * (36 + 92) + 4 * 6) * model.hidden * s
+    assert split == pytest.approx((whole - kept_whole) / t + kept_whole)
 
 
 def test_an_eager_stack_keeps_more_and_moves_more_bytes():

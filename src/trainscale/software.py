@@ -104,7 +104,9 @@ class Software:
       ``linear_dtype``: one of :data:`LINEAR_DTYPES`; ``fused_elementwise``: the
       norms, activations and rotary embeddings run as fused kernels that keep only their
       inputs (Korthikanti et al.'s count), or as separate eager PyTorch ops, each keeping
-      what its backward needs (:func:`trainscale.planner.memory.eager_layer_activation_bytes`);
+      what its backward needs (:func:`trainscale.planner.memory.eager_layer_activation_bytes`)
+      and each reading and writing its operands in memory
+      (:func:`trainscale.planner.memory.eager_layer_traffic_bytes`);
       ``fused_loss``: the cross-entropy's backward writes the logits' gradient over its
       saved fp32 softmax (Megatron's vocabulary-parallel cross entropy, Korthikanti et
       al.'s ``4 s b V`` bytes), or, as PyTorch's eager ``F.cross_entropy``, allocates the

@@ -20,7 +20,7 @@ from trainscale.context import CAUSAL_WORK_SHARE
 from trainscale.hardware import gemm_seconds
 from trainscale.planner.inputs import Cluster, Model, published_cluster, published_model
 from trainscale.planner.memory import (
-    eager_layer_activation_bytes,
+    eager_layer_traffic_bytes,
     every_other_matmul_share,
 )
 from trainscale.planner.traffic import _tensor_collective_seconds
@@ -170,8 +170,9 @@ def _layer_times_at(
     the GEMM share's). ``linear``: ``(peak, share)`` of the linear layers' GEMMs when they
     run in FP8 (:func:`_linear_rate`; ``None``: as the others). Their FP8 casts and scaling
     are not counted: part of why FP8 is less validated. ``fused_elementwise`` false: the
-    element-wise traffic is charged on what eager ops keep
-    (:func:`trainscale.planner.memory.eager_layer_activation_bytes`), not the fused count.
+    element-wise traffic of a gated layer is what its eager ops read and write, counted op
+    by op (:func:`trainscale.planner.memory.eager_layer_traffic_bytes`), not estimated from
+    the fused count.
     Backward, each GEMM's two gradient GEMMs at their own shapes
     (:func:`_forward_and_backward`); a fused attention kernel's
     :data:`FUSED_BACKWARD_PASSES` times its forward. Plus the
@@ -215,8 +216,6 @@ def _layer_times_at(
     pairs = b * a / t  # (sequence, head) pairs on this GPU
     shape = model.layer_shape
     kept = layer_activation_bytes(s // c, b, h, a, t, sp, "none", **shape)
-    if not fused_elementwise and model.gated_mlp:
-        kept = eager_layer_activation_bytes(model, s // c, b, t, sp)
     if shape["fused_attention"]:  # the software's, where the model leaves it
         rate = peak * share if attention_rate is None else attention_rate
         scores, scores_back = _fused_attention_seconds(pairs, s / c, s, d, rate)
@@ -227,8 +226,13 @@ def _layer_times_at(
         scores, scores_back = qk[0] + pv[0], qk[1] + pv[1]
         score_bytes = kept - layer_activation_bytes(s // c, b, h, a, t, sp, "selective", **shape)
     per_byte = traffic / 3 / bw
-    forward = dense + scores + kept * per_byte
-    backward = dense_back + scores_back + 2 * kept * per_byte
+    elementwise = kept * per_byte, 2 * kept * per_byte
+    if not fused_elementwise and model.gated_mlp:  # counted op by op, not estimated
+        elementwise = tuple(
+            moved / bw for moved in eager_layer_traffic_bytes(model, s // c, b, t, sp)
+        )
+    forward = dense + scores + elementwise[0]
+    backward = dense_back + scores_back + elementwise[1]
     return forward, scores + score_bytes * per_byte, backward
 
 

@@ -11,7 +11,9 @@
   ``s x s`` table, no dropout masks where there is no dropout), times the layers
   of the stage, times the micro-batches in flight on it (1F1B keeps up to
   ``PP`` of them on the first stage), plus the embedding on the first stage and
-  the output layer and its fp32 logits on the last one.
+  the output layer and its fp32 logits on the last one;
+* and, beside what an eager layer keeps, the bytes its element-wise ops read and write
+  (:func:`eager_layer_traffic_bytes`), which :mod:`trainscale.planner.kernels` times.
 
 Allocator headroom stays one share, :data:`trainscale.memory.USABLE_MEMORY`
 (:mod:`trainscale.planner` lists what else it covers), an assumption, not an explicit
@@ -209,6 +211,47 @@ def eager_layer_activation_bytes(
     attention = (4 * 2 * h + 4 * a) / t
     mlp = 4 * 2 * f / t
     return s * b * (norms + gathered + attention + mlp)
+
+
+def eager_layer_traffic_bytes(
+    model: Model, s: int, b: int, t: int, sp: bool
+) -> tuple[float, float]:
+    """``(forward, backward)`` bytes of memory traffic of one gated layer's eager
+    element-wise ops on one GPU (the layer of :func:`eager_layer_activation_bytes`): what
+    every ATen op other than the matrix products and the attention kernel reads and writes.
+
+    Op by op, per token, without TP (``h`` hidden, ``f`` MLP width, ``k`` the keys' width
+    ``kv_heads x h / heads``):
+
+    * each RMSNorm, forward: the fp32 copy (``2h`` read, ``4h`` written), the square, the
+      mean, the product with the reciprocal norm, the copy back to 16 bits and the product
+      with the weight, ``36h``; backward (autograd's thirteen ops, two of them the weight's
+      gradient), ``92h``;
+    * the residual adds, ``6h`` each forward and backward, two of each;
+    * the rotary embedding of queries (keys: ``k`` for ``h``): fp32 copy, complex product,
+      copy back, ``20h`` forward and the same backward; repeating the keys and values to
+      every head, ``2k + 2h`` each way for each;
+    * the gated MLP: the SiLU (``4f``) and the product (``6f``) forward, their gradients
+      (``18f``) backward;
+    * backward, the gradients of the two norms' outputs summed over the products that read
+      them (three adds of ``6h``).
+
+    Forward ``108h + 24k + 10f``, backward ``238h + 24k + 18f``: ``346h + 48k + 28f`` per
+    token, about 1.9 MB for Llama 3 8B, where the planner's fused count moves ``traffic``
+    (:data:`trainscale.planner.unknowns.ELEMENTWISE_TRAFFIC`, 3 in the middle of its span)
+    times the 0.14 MB Korthikanti et al.'s layer keeps, 0.42 MB. With TP the head-split
+    ops (rotary, repeats, MLP) divide by ``t``; with sequence parallelism the norms and
+    residual adds do too; the three gradient sums run on the gathered, whole sequence.
+    Left out: the norms' fp32 statistics and the rotation table's reads, 0.2 % of it for
+    Llama 3 8B (``tests/test_planner_unknowns.py`` counts every op with a dispatch mode
+    and finds exactly these left over)."""
+    h, a = model.hidden, model.heads
+    k = (model.kv_heads or a) * (h // a)
+    f = model.top_k * model.expert_width if model.experts else model.ffn_hidden or 4 * h
+    t_sp = t if sp else 1
+    forward = 84 * h / t_sp + (24 * h + 24 * k + 10 * f) / t
+    backward = 196 * h / t_sp + 18 * h + (24 * h + 24 * k + 18 * f) / t
+    return s * b * forward, s * b * backward
 
 
 def kept_per_layer(

@@ -38,7 +38,9 @@ ELEMENTWISE_TRAFFIC = {"low": 4.0, "point": 3.0, "high": 2.0}
 per byte of activation a layer keeps for backward, over forward and backward
 together, by band (pessimistic ``low``). Derivation: each kept activation is written
 once forward and read once backward (2); the backward writes a gradient of each and
-reads inputs it did not keep (up to 2 more)."""
+reads inputs it did not keep (up to 2 more). A fused stack's kernels are not public
+op by op, so this is a span; an eager stack's are, and are counted instead
+(:func:`trainscale.planner.memory.eager_layer_traffic_bytes`)."""
 
 TILE_OVERHEAD = {"low": 1.0, "point": 1.0, "high": 0.0}
 """How much of each tile's output write (:func:`trainscale.planner.tile_overhead_k`) a GEMM
