@@ -641,3 +641,15 @@ def test_the_command_comes_from_further_down_the_runners_ranking_if_needed(monke
     # interleaved pipeline needs a multiple of its stages in micro-batches)
     few = planner_cli.parse(["--model", "70b", "--global-batch", "3"])
     assert planner_cli._first_runnable(few) is None
+
+
+def test_a_layout_the_runners_engine_refuses_is_noted_with_its_reason():
+    # ZeRO-2 with a pipeline: Meta's stack runs it, the capstone's (torchtitan's) refuses
+    request = planner_cli.parse(["--model", "70b", "--software", "meta-llama3"])
+    args = (request.model, request.cluster, request.global_batch, 8, 2, 4)
+    layout = planner.evaluate(*args, zero_stage=2, software=request.software)
+    assert layout.verdict == "fits"
+    place, notes, _ = planner_cli._runnable([layout], request)
+    assert place is None
+    assert notes[0].endswith("refuses ZeRO-2 with pipeline parallelism")
+    assert "nan" not in notes[0]

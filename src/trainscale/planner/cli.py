@@ -224,10 +224,14 @@ def _runnable(
     for place, layout in enumerate(best):
         runner = on_the_runner(layout, request.model, request.cluster)
         if runner.verdict != "fits":
+            why = (
+                "; ".join(runner.notes)  # its engine refuses the settings: no memory counted
+                if runner.verdict == "invalid"
+                else f"it needs {runner.memory_bytes / GIB:.1f} GiB per GPU ({runner.verdict})"
+            )
             notes.append(
                 f"trainscale.train cannot run layout {place + 1} as planned: on its stack"
-                f" (software {RUNNER_SOFTWARE}: eager norms, activations and loss) it needs"
-                f" {runner.memory_bytes / GIB:.1f} GiB per GPU ({runner.verdict})"
+                f" (software {RUNNER_SOFTWARE}: eager norms, activations and loss) {why}"
             )
             continue
         flags = train_flags(layout, request.model, request.cluster.peak_flops)
