@@ -408,9 +408,14 @@ def test_405b_on_16384_h100s_finds_metas_shape():
     # appendix prints its rank): the CP-2 shape holds whole fp32 gradients (ZeRO-1), Meta's
     # reduce-scatters them after every micro-batch (ZeRO-2) to fit
     shapes = [lay.shape for lay in planner.top_layouts(every, len(every))]
-    assert shapes.index((8, 16, 128)) + 1 > 5
+    rank = shapes.index((8, 16, 128)) + 1
+    assert rank > 5
     metas = next(lay for lay in planner.top_layouts(every, len(every)) if lay.shape == (8, 16, 128))
     assert (first.zero_stage, metas.zero_stage) == (1, 2)
+    # the command line names it as the fastest shape without context parallelism
+    plain = planner_cli.without_context_parallel(every, 5)[0]
+    assert plain.startswith(f"without context parallelism, the fastest is number {rank}:")
+    assert "TP 8 x PP 16 x DP 128, ZeRO-2" in plain
 
 
 def test_a_full_shape_describes_mixtral_and_counts_its_parameters():
@@ -653,3 +658,11 @@ def test_a_layout_the_runners_engine_refuses_is_noted_with_its_reason():
     assert place is None
     assert notes[0].endswith("refuses ZeRO-2 with pipeline parallelism")
     assert "nan" not in notes[0]
+
+
+def test_without_context_parallelism_is_named_only_when_every_shape_shown_splits_the_sequence():
+    request = planner_cli.parse(["--model", "70b"])
+    layouts = planner_cli._search(request, request.software)
+    assert planner_cli.without_context_parallel(layouts, 5) == []  # CP 1 shapes among them
+    split = [lay for lay in layouts if lay.cp > 1]
+    assert planner_cli.without_context_parallel(split, 5)[0].startswith("every fitting shape")

@@ -388,6 +388,7 @@ function show(data) {
       el("p", { text: "For each reason the planner rejects a layout, the fastest layout it rejects:" }),
       list);
   }
+  for (const line of data.without_context_parallel || []) parts.push(el("p", { class: "plan-note", text: line }));
   if (data.published) parts.push(el("p", { class: "plan-published", text: data.published.join(" ") }));
   for (const note of data.notes || []) parts.push(el("p", { class: "plan-note", text: `Note: ${note}` }));
   if (data.command) {

@@ -342,6 +342,23 @@ def _published_lines(run: PublishedRun, layouts: Sequence[planner.Layout]) -> li
     ]
 
 
+def without_context_parallel(layouts: Sequence[planner.Layout], shown: int) -> list[str]:
+    """When each of the ``shown`` fastest shapes splits the sequence (CP > 1), the fastest
+    that does not and its place: all a stack without ring attention can run (Llama 3's
+    8K-token stage, for one, used none)."""
+    ranked = planner.top_layouts(layouts, count=len(layouts))
+    if not ranked or any(lay.cp == 1 for lay in ranked[:shown]):
+        return []
+    place = next((i for i, lay in enumerate(ranked, start=1) if lay.cp == 1), None)
+    if place is None:
+        return ["every fitting shape splits the sequence (context parallelism)", ""]
+    return [
+        f"without context parallelism, the fastest is number {place}:"
+        f" {_summary(ranked[place - 1])}",
+        "",
+    ]
+
+
 def rejections(counts: dict[str, int]) -> str:
     """How many layouts each rule rejected (:func:`trainscale.planner.verdict_counts`)."""
     rules = ", ".join(f"{counts[v]:,} {v}" for v in planner.VERDICTS if v != "fits")
@@ -447,6 +464,9 @@ def _report(request: Request, data: dict) -> tuple[list[str], bool]:
         rejections(counts),
         "",
     ]
+    plain = without_context_parallel(layouts, request.top)
+    data["without_context_parallel"] = plain[:1]
+    lines += plain
     if request.published is not None:
         published = _published_lines(request.published, layouts)
         lines += published
