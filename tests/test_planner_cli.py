@@ -666,3 +666,14 @@ def test_without_context_parallelism_is_named_only_when_every_shape_shown_splits
     assert planner_cli.without_context_parallel(layouts, 5) == []  # CP 1 shapes among them
     split = [lay for lay in layouts if lay.cp > 1]
     assert planner_cli.without_context_parallel(split, 5)[0].startswith("every fitting shape")
+
+
+def test_a_gpu_count_no_layout_can_split_names_the_rules_and_the_flags():
+    # 83 nodes of 8: the prime 83 divides no head count, no batch of 1,024, and is over the
+    # 82 stages of 80 layers
+    lines, found = planner_cli.report(planner_cli.parse(["--model", "70b", "--nodes", "83"]))
+    assert not found
+    text = "\n".join(lines)
+    assert "no split of the 664 GPUs into TP x CP x PP x DP" in text
+    assert "TP divides the 64 heads, DP the 1,024 sequences, PP at most 82 stages" in text
+    assert "--nodes or --global-batch" in text and "add GPUs" not in text

@@ -387,11 +387,13 @@ def nothing_fits(request: Request, layouts: Sequence[planner.Layout]) -> list[st
         example = next(
             lay.notes[0] for lay in layouts if re.sub(r"[0-9][0-9,.]*", "N", lay.notes[0]) == rule
         )
+        model = request.model
         return [
-            f"no layout fits: every layout breaks a rule of its shape; the most common"
-            f" ({count:,} of {len(layouts):,}): {example}",
-            f"(--global-batch {request.global_batch:,} sequences on {request.cluster.gpus:,}"
-            " GPUs: check that the batch and the model's layers and heads can spread over them)",
+            f"no layout fits: no split of the {request.cluster.gpus:,} GPUs into TP x CP x PP"
+            f" x DP keeps every rule of the shape (TP divides the {model.heads} heads, DP the"
+            f" {request.global_batch:,} sequences, PP at most {model.layers + 2} stages);"
+            f" the rule most often broken ({count:,} of {len(layouts):,}): {example}",
+            "(--nodes or --global-batch: a GPU count that such degrees multiply to)",
         ]
     nearest = min(usable, key=lambda lay: (len(lay.problems), lay.step_seconds))
     lines = [
