@@ -269,7 +269,8 @@ def test_list_models(capsys):
     assert planner_cli.main(["--list-models"]) == 0
     listed = capsys.readouterr().out.splitlines()
     assert listed[0].split()[0] == "70b"
-    assert [line.split()[0] for line in listed[1:5]] == list(planner_cli.MODEL_PRESETS)
+    shapes = listed[1 : 1 + len(planner_cli.MODEL_PRESETS)]
+    assert [line.split()[0] for line in shapes] == list(planner_cli.MODEL_PRESETS)
     assert len(listed) == len(published_runs()) + 1 + len(planner_cli.MODEL_PRESETS)
 
 
@@ -677,3 +678,24 @@ def test_a_gpu_count_no_layout_can_split_names_the_rules_and_the_flags():
     assert "no split of the 664 GPUs into TP x CP x PP x DP" in text
     assert "TP divides the 64 heads, DP the 1,024 sequences, PP at most 82 stages" in text
     assert "--nodes or --global-batch" in text and "add GPUs" not in text
+
+
+def test_gpt3_175b_is_a_preset_and_its_command_pads_and_unties_as_it_must():
+    # Brown et al. Table 2.1: 96 x (12 x 12,288^2) + 50,257 x 12,288 (tied) + 2,048 x 12,288
+    # (learned positions) = 173,946,175,488 + 617,558,016 + 25,165,824 = 174,588,899,328
+    gpt3 = planner_cli.presets()["gpt-3-175b"].model
+    assert gpt3 == planner.GPT3_175B and gpt3.params == 174_588_899_328
+    assert (gpt3.layers, gpt3.hidden, gpt3.heads, gpt3.seq_len) == (96, 12288, 96, 2048)
+    request = planner_cli.parse(["--model", "gpt-3-175b"])
+    args = (request.model, request.cluster, request.global_batch)
+    split = planner.evaluate(*args, 4, 8, 16, virtual_stages=6)
+    flags = planner_cli.train_flags(split, gpt3, 989e12)
+    # 50,257 padded to a multiple of 128 x 4 = 512: 99 x 512 = 50,688; untied with TP or PP
+    assert flags[flags.index("--vocab") + 1] == "50688" and "--tied" not in flags
+    notes = " ".join(planner_cli._shape_note(gpt3, split))
+    assert "untied (0.4% more parameters)" in notes and "padded to 50,688" in notes
+    assert train.parse_args(flags).vocab == 50688  # the capstone takes it
+    whole = planner.evaluate(*args, 1, 1, 512, zero_stage=3)
+    flags = planner_cli.train_flags(whole, gpt3, 989e12)
+    assert "--tied" in flags and flags[flags.index("--vocab") + 1] == "50257"
+    assert planner_cli._shape_note(gpt3, whole) == []

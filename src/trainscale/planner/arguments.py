@@ -58,6 +58,7 @@ MODEL_PRESETS = {
     "llama-3-70b": ("Llama 3 70B (arXiv 2407.21783, Table 3)", planner.LLAMA3["70B"], 8),
     "llama-3-405b": ("Llama 3 405B (arXiv 2407.21783, Table 3)", planner.LLAMA3["405B"], 128),
     "mixtral-8x7b": ("Mixtral 8x7B (arXiv 2401.04088)", planner.MOE_MODEL, 8),
+    "gpt-3-175b": ("GPT-3 175B (arXiv 2005.14165, Table 2.1)", planner.GPT3_175B, 64),
 }
 """Model shapes by name: ``(title, model, nodes of 8 H100)``; the nodes (and the global
 batch, :data:`trainscale.planner.EXAMPLE_GLOBAL_BATCH` sequences) are an assumption of the

@@ -509,7 +509,8 @@ def _report(request: Request, data: dict) -> tuple[list[str], bool]:
     chosen = best[place]
     where = "on each node run" if request.cluster.nodes > 1 else "run"
     lines += [f"to train layout {label}, {chosen.name.replace(chr(215), 'x')}, {where}", ""]
-    lines += [cluster_command(chosen, request), "", *_shape_note(request.model)]
+    shape_notes = _shape_note(request.model, chosen)
+    lines += [cluster_command(chosen, request), "", *shape_notes]
     if request.check_memory:
         tracked, holds = _tracked_lines(chosen, request)
         lines += [*tracked, ""]
@@ -521,7 +522,7 @@ def _report(request: Request, data: dict) -> tuple[list[str], bool]:
         "where": where,
         "text": cluster_command(chosen, request),
         "checked": checked,
-        "notes": _shape_note(request.model)[:1],
+        "notes": [note for note in shape_notes if note],
     }
     if request.laptop is not None:
         lines += _laptop_lines(chosen, request.laptop)

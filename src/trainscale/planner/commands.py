@@ -80,6 +80,27 @@ def _shape_flags(model: planner.Model) -> list[str]:
     return flags
 
 
+VOCAB_MULTIPLE = 128
+"""Megatron-LM pads the vocabulary to a multiple of this times TP
+(``--make-vocab-size-divisible-by``, default 128; ``_vocab_size_with_padding`` in its
+tokenizer module), so that each TP rank holds an equal, GPU-friendly slice."""
+
+
+def command_vocab(model: planner.Model, tp: int) -> int:
+    """The vocabulary the command trains: the model's, or, where TP does not divide it (the
+    capstone splits the embedding by vocabulary), padded up as Megatron-LM pads it."""
+    if model.vocab % tp == 0:
+        return model.vocab
+    step = VOCAB_MULTIPLE * tp
+    return -(-model.vocab // step) * step
+
+
+def _ties(model: planner.Model, layout: planner.Layout) -> bool:
+    """Whether the command ties the head to the embedding: where the model does and the
+    capstone can, without TP or PP (its --tied refuses both)."""
+    return model.tied_embeddings and layout.tp == 1 and layout.pp == 1
+
+
 def _schedule_flags(pp: int, virtual_stages: int) -> list[str]:
     if pp == 1:
         return []
@@ -104,7 +125,8 @@ def train_flags(layout: planner.Layout, model: planner.Model, peak_flops: float)
         *("--layers", str(model.layers), "--width", str(model.hidden)),
         *("--heads", str(model.heads), "--seq-len", str(model.seq_len)),
         *_shape_flags(model),
-        *("--vocab", str(model.vocab), "--peak-flops", f"{peak_flops:g}"),
+        *(["--tied"] if _ties(model, layout) else []),
+        *("--vocab", str(command_vocab(model, layout.tp)), "--peak-flops", f"{peak_flops:g}"),
     ]
     return flags
 
@@ -256,16 +278,29 @@ def refusal(flags: list[str], ranks: int) -> str | None:
     return None
 
 
-def _shape_note(model: planner.Model) -> list[str]:
-    """A note when the capstone's decoder cannot take the planned model's shape: its
-    experts (grouped-query attention, the MLP's width and a gated MLP it takes)."""
-    if not model.experts:
-        return []
-    return [
-        f"note: trainscale.train builds a dense decoder, not this model's {model.experts}"
-        " experts (chapter 11; the capstone has none)",
-        "",
-    ]
+def _shape_note(model: planner.Model, layout: planner.Layout | None = None) -> list[str]:
+    """Notes where the command's decoder differs from the planned model (grouped-query
+    attention, the MLP's width and a gated MLP it takes): experts it does not build; for
+    ``layout``, a head it cannot tie to the embedding and a vocabulary it pads."""
+    notes = []
+    if model.experts:
+        notes.append(
+            f"note: trainscale.train builds a dense decoder, not this model's {model.experts}"
+            " experts (chapter 11; the capstone has none)"
+        )
+    if layout is not None and model.tied_embeddings and not _ties(model, layout):
+        extra = model.vocab * model.hidden / model.params
+        notes.append(
+            "note: trainscale.train ties the head to the embedding only without TP and PP;"
+            f" this command trains them untied ({extra:.1%} more parameters)"
+        )
+    if layout is not None and command_vocab(model, layout.tp) != model.vocab:
+        notes.append(
+            f"note: the vocabulary of {model.vocab:,} is padded to"
+            f" {command_vocab(model, layout.tp):,}, a multiple of {VOCAB_MULTIPLE} x TP,"
+            " as Megatron-LM pads it"
+        )
+    return [*notes, ""] if notes else []
 
 
 def _laptop_lines(layout: planner.Layout, ranks: int) -> list[str]:

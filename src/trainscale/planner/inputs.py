@@ -329,6 +329,16 @@ LLAMA3 = {
 }
 """Llama 3's three dense shapes (:func:`_llama3`), by size."""
 
+GPT3_175B = Model(
+    shape_params(96, 12_288, 96, 50_257, tied_embeddings=True) + 2048 * 12_288,
+    *(96, 12_288, 96, 2048, 50_257),
+    tied_embeddings=True,
+)
+"""GPT-3 175B (Brown et al. 2020, arXiv 2005.14165, Table 2.1: 96 layers, width 12,288, 96
+heads of 128, 2,048-token context; GPT-2's 50,257-token vocabulary, its input and output
+embeddings tied, and 2,048 learned positions): 174.6B parameters by this count, the
+175.0B the paper rounds to."""
+
 LONG_CONTEXT_MODEL = dataclasses.replace(LLAMA3["8B"], seq_len=131_072)
 """Llama 3 8B's shape (Meta's model card and the paper's Table 3, arXiv 2407.21783:
 8.03B parameters, 32 layers, width 4,096, 32 heads and 8 key-value heads, SwiGLU of
