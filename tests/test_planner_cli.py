@@ -378,6 +378,7 @@ def test_the_software_is_a_flag_and_its_fields_can_be_changed(capsys):
     text = "".join(planner_cli.parser().format_help().split())  # wrapped at hyphens
     assert all(name in text for name in planner.SOFTWARE)
     assert "--no-dropout" in text and "--gradient-reduce-dtype" in text
+    assert "thefastestthatdoesnot" in text  # the report's parts, in its epilog
 
 
 def test_405b_on_16384_h100s_finds_metas_shape():

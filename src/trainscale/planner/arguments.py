@@ -129,6 +129,14 @@ def parser() -> argparse.ArgumentParser:
             "Rank the TP x PP x DP layouts of a model on a cluster (chapter 16's planner)"
             " and print the torchrun command that trains the best one."
         ),
+        epilog=(
+            "It prints the fastest shapes with their MFU range, step and memory; how many"
+            " layouts each rule rejected; when every shape shown splits the sequence, the"
+            " fastest that does not (for a stack without ring attention); for a published"
+            " run's preset, the planner's estimate of its layout beside the published MFU;"
+            " then the command for the first layout trainscale.train can run, with notes"
+            " on what it changes."
+        ),
     )
     add = p.add_argument
     add("--model", default=None, help="a preset (see --list-models); sizes below override it")
