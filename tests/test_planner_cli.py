@@ -415,7 +415,8 @@ def test_405b_on_16384_h100s_finds_metas_shape():
     metas = next(lay for lay in planner.top_layouts(every, len(every)) if lay.shape == (8, 16, 128))
     assert (first.zero_stage, metas.zero_stage) == (1, 2)
     # the command line names it as the fastest shape without context parallelism
-    plain = planner_cli.without_context_parallel(every, 5)[0]
+    ranked = planner.top_layouts(every, len(every))
+    plain = planner_cli.without_context_parallel(ranked, 5)[0]
     assert plain.startswith(f"without context parallelism, the fastest is number {rank}:")
     assert "TP 8 x PP 16 x DP 128, ZeRO-2" in plain
 
@@ -665,8 +666,9 @@ def test_a_layout_the_runners_engine_refuses_is_noted_with_its_reason():
 def test_without_context_parallelism_is_named_only_when_every_shape_shown_splits_the_sequence():
     request = planner_cli.parse(["--model", "70b"])
     layouts = planner_cli._search(request, request.software)
-    assert planner_cli.without_context_parallel(layouts, 5) == []  # CP 1 shapes among them
-    split = [lay for lay in layouts if lay.cp > 1]
+    ranked = planner.top_layouts(layouts, len(layouts))
+    assert planner_cli.without_context_parallel(ranked, 5) == []  # CP 1 shapes among them
+    split = [lay for lay in ranked if lay.cp > 1]
     assert planner_cli.without_context_parallel(split, 5)[0].startswith("every fitting shape")
 
 

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
-from trainscale.figures.style import MEMORY_COLOURS, PALETTE, STYLE, new_figure
+from trainscale.figures.style import MEMORY_COLOURS, PALETTE, STYLE, new_figure, stacked_bar
 
 
 def memory_stack(parts_gib: Mapping[str, float], capacity_gib: float, title: str) -> Figure:
@@ -110,20 +110,10 @@ def state_bars(
     with plt.rc_context({**STYLE, "axes.grid.axis": "y"}):
         fig, ax = new_figure((7.0, 3.6))
         labels = list(parts)
-        totals = []
-        for x, label in enumerate(labels):
-            bottom = 0.0
-            for part, size in parts[label].items():
-                ax.bar(
-                    x,
-                    size,
-                    bottom=bottom,
-                    width=0.6,
-                    color=MEMORY_COLOURS[part],
-                    label=part if x == 0 else None,
-                )
-                bottom += size
-            totals.append(bottom)
+        totals = [
+            stacked_bar(ax, x, parts[label], MEMORY_COLOURS, labelled=x == 0)
+            for x, label in enumerate(labels)
+        ]
         top = max([*totals, capacity or 0.0])
         for x, total in enumerate(totals):
             verdict = "" if capacity is None else "\nfits" if total <= capacity else "\ntoo big"

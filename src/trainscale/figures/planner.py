@@ -17,6 +17,7 @@ from trainscale.figures.style import (
     VERDICT_STYLES,
     BookFigure,
     source_note,
+    stacked_bar,
 )
 from trainscale.memory import GIB, USABLE_MEMORY
 
@@ -82,32 +83,13 @@ def planner_top_layouts(
         labels = [f"{lay.name}\n{lay.settings}" for lay in rows]
         used = _time_parts_shown(rows)
         for row, lay in enumerate(rows):
-            left = 0.0
-            for part, width in lay.times.items():  # in the planner's TIME_PARTS order
-                if part not in used:
-                    continue
-                time_ax.barh(
-                    row,
-                    width,
-                    left=left,
-                    height=0.6,
-                    color=TIME_COLOURS[part],
-                    label=part if row == 0 else None,
-                )
-                left += width
-            time_ax.annotate(f" MFU {lay.mfu:.0%}", (left, row), va="center", ha="left", fontsize=9)
-            left = 0.0
-            for part, size in lay.memory_parts.items():  # in MEMORY_PARTS order
-                width = size / GIB
-                memory_ax.barh(
-                    row,
-                    width,
-                    left=left,
-                    height=0.6,
-                    color=MEMORY_COLOURS[part],
-                    label=part if row == 0 else None,
-                )
-                left += width
+            times = {part: sec for part, sec in lay.times.items() if part in used}  # TIME_PARTS
+            step = stacked_bar(
+                time_ax, row, times, TIME_COLOURS, labelled=row == 0, horizontal=True
+            )
+            time_ax.annotate(f" MFU {lay.mfu:.0%}", (step, row), va="center", ha="left", fontsize=9)
+            gib = {part: size / GIB for part, size in lay.memory_parts.items()}  # MEMORY_PARTS
+            stacked_bar(memory_ax, row, gib, MEMORY_COLOURS, labelled=row == 0, horizontal=True)
         longest = max(lay.step_seconds for lay in rows)
         time_ax.set_xlim(0, longest * 1.3)
         time_ax.set_yticks(range(len(rows)), labels, fontsize=8)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import textwrap
+from collections.abc import Mapping
 
 import matplotlib.pyplot as plt
 from matplotlib.axes import Axes
@@ -173,3 +174,26 @@ def source_note(fig: Figure, source: str, *, left: bool = False) -> None:
         fig.supxlabel(text, x=0.01, ha="left", fontsize=7, color=MUTED_INK)
     else:
         fig.supxlabel(source, fontsize=7.5, color=MUTED_INK)
+
+
+def stacked_bar(
+    ax: Axes,
+    position: float,
+    parts: Mapping[str, float],
+    colours: Mapping[str, str],
+    *,
+    labelled: bool,
+    horizontal: bool = False,
+) -> float:
+    """One bar of ``parts`` (each a size in the axis's unit) stacked in their order at
+    ``position``, each coloured from ``colours``, 0.6 thick; ``labelled``: the parts name
+    themselves in the legend (one bar of a chart should). Returns the bar's total."""
+    end = 0.0
+    for part, size in parts.items():
+        style = {"color": colours[part], "label": part if labelled else None}
+        if horizontal:
+            ax.barh(position, size, left=end, height=0.6, **style)
+        else:
+            ax.bar(position, size, bottom=end, width=0.6, **style)
+        end += size
+    return end

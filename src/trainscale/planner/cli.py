@@ -314,11 +314,12 @@ def _runner_best(request: Request) -> list[planner.Layout]:
     return list(_runner_ranked(request)[: request.top])
 
 
-def _published_lines(run: PublishedRun, layouts: Sequence[planner.Layout]) -> list[str]:
+def _published_lines(run: PublishedRun, ranked: Sequence[planner.Layout]) -> list[str]:
     """The planner's estimate of the published layout, with its range, next to the
     published MFU (:func:`trainscale.planner.estimate_run`), and where its shape ranks
-    among the fitting shapes of this search, ``layouts`` (the settings a user gets, where
-    the estimate's rank is at the run's own)."""
+    among the fitting shapes of this search, ``ranked`` fastest first
+    (:func:`trainscale.planner.top_layouts`; the settings a user gets, where the
+    estimate's rank is at the run's own)."""
     try:
         estimate = planner.estimate_run(run)
     except ValueError as error:  # a layout the planner cannot estimate (e.g. CP > 1)
@@ -329,7 +330,7 @@ def _published_lines(run: PublishedRun, layouts: Sequence[planner.Layout]) -> li
         if estimate.rank
         else "its shape is not among the planner's fitting ones at the run's own settings"
     )
-    shapes = [lay.shape for lay in planner.top_layouts(layouts, count=len(layouts))]
+    shapes = [lay.shape for lay in ranked]
     shape = (run.tp, run.pp, run.dp)
     here = shapes.index(shape) + 1 if shape in shapes else "none"
     return [
@@ -342,11 +343,11 @@ def _published_lines(run: PublishedRun, layouts: Sequence[planner.Layout]) -> li
     ]
 
 
-def without_context_parallel(layouts: Sequence[planner.Layout], shown: int) -> list[str]:
-    """When each of the ``shown`` fastest shapes splits the sequence (CP > 1), the fastest
-    that does not and its place: all a stack without ring attention can run (Llama 3's
+def without_context_parallel(ranked: Sequence[planner.Layout], shown: int) -> list[str]:
+    """When each of the ``shown`` fastest of the fitting shapes ``ranked`` (fastest first,
+    :func:`trainscale.planner.top_layouts`) splits the sequence (CP > 1), the fastest that
+    does not and its place: all a stack without ring attention can run (Llama 3's
     8K-token stage, for one, used none)."""
-    ranked = planner.top_layouts(layouts, count=len(layouts))
     if not ranked or any(lay.cp == 1 for lay in ranked[:shown]):
         return []
     place = next((i for i, lay in enumerate(ranked, start=1) if lay.cp == 1), None)
@@ -441,7 +442,8 @@ def _report(request: Request, data: dict) -> tuple[list[str], bool]:
     spec = None if request.explain is None else explain_spec(request.explain, request.cluster.gpus)
     stack = request.software
     layouts = _search(request, stack)
-    best = planner.top_layouts(layouts, count=request.top)
+    ranked = planner.top_layouts(layouts, count=max(1, len(layouts)))  # fitting shapes
+    best = ranked[: request.top]
     counts = planner.verdict_counts(layouts)
     rejected = _rejected(layouts)
     data.update(
@@ -466,11 +468,11 @@ def _report(request: Request, data: dict) -> tuple[list[str], bool]:
         rejections(counts),
         "",
     ]
-    plain = without_context_parallel(layouts, request.top)
+    plain = without_context_parallel(ranked, request.top)
     data["without_context_parallel"] = plain[:1]
     lines += plain
     if request.published is not None:
-        published = _published_lines(request.published, layouts)
+        published = _published_lines(request.published, ranked)
         lines += published
         data["published"] = published[:-1]
     place, notes, checked = _runnable(best, request)
